@@ -1,0 +1,1 @@
+"""The lane core: streams, windows, rounds, verify and accept."""

@@ -1,0 +1,25 @@
+"""One table of serve options: it feeds click, the server, `capabilities --json` and the docs' flag list."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ServeOptions(BaseModel):
+    """Flags of `tensorfold serve` (and the model-facing ones of `tensorfold run`)."""
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
+    parallel: int = Field(4, ge=1, le=64, description="Most streams decoded together in one round.")
+    context: int | None = Field(None, ge=16, description="Most tokens a stream may hold, prompt and reply "
+                                "(default: the model's max_position_embeddings, at most 8192).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Float dtype of the weights and activations (auto: the checkpoint's).")
+    prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens a stream prefills per round.")
+    model_name: str | None = Field(None, description="Name the model is served under in /v1/models.")
+
+    @classmethod
+    def flag(cls, field_name: str) -> str:
+        return "--" + field_name.replace("_", "-")

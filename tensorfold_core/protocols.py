@@ -1,0 +1,40 @@
+"""The Model protocol: what a family gives the lane core."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import mlx.core as mx
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """One stream's state in the model: `offset` tokens committed, plus the rows of the last window until kept."""
+
+    offset: int
+    capacity: int
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A loaded checkpoint that runs many streams' ragged windows in one forward (a round)."""
+
+    model_type: str
+    vocab_size: int  # rows of the logits (the config's, padding included)
+    dtype: mx.Dtype
+
+    def new_cache(self, capacity: int) -> Cache:
+        """A cache that can hold `capacity` committed tokens plus one window."""
+
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes a cache of `tokens` capacity holds (the ledger prices caches with it)."""
+
+    def forward(self, caches: Sequence[Cache], windows: Sequence[Sequence[int]],
+                logit_rows: Sequence[int]) -> mx.array:
+        """Run each window on its cache; return float32 logits [sum(logit_rows), vocab_size] for the
+        last `logit_rows[i]` rows of each window, packed in order. Each row is bit-equal whatever else
+        shares the call (row invariance, where the backend has it). Every cache must be `keep`-ed before
+        its next forward."""
+
+    def keep(self, cache: Cache, rows: int) -> None:
+        """Commit the first `rows` rows of the last window run on `cache` and drop the rest."""

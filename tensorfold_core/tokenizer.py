@@ -1,0 +1,149 @@
+"""A checkpoint's tokenizer: tokenizers.Tokenizer, its chat template (jinja2), bos/eos, incremental detokenizing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import CheckpointError
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text the way the checkpoint's own files say."""
+
+    def __init__(self, backend: HFTokenizer, *, bos_id: int | None, eos_ids: set[int],
+                 add_bos: bool, chat_template: str | None, special_texts: dict[str, str]):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.special_texts = special_texts
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> "Tokenizer":
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.exists():
+            raise CheckpointError(f"{tok_file}: missing (tensorfold reads tokenizer.json through `tokenizers`)")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # tokenizers raises plain Exception on malformed files
+            raise CheckpointError(f"{tok_file}: cannot be read ({exc})") from exc
+        tok_config = _read_json(path / "tokenizer_config.json")
+        config = _read_json(path / "config.json")
+        gen_config = _read_json(path / "generation_config.json")
+        texts = {key: _token_text(tok_config.get(key)) for key in ("bos_token", "eos_token", "pad_token")}
+        texts = {k: v for k, v in texts.items() if v}
+
+        def token_id(text):
+            return backend.token_to_id(text) if text else None
+
+        bos_id = token_id(texts.get("bos_token"))
+        if bos_id is None:
+            bos_id = next(iter(_ids(gen_config.get("bos_token_id")) or _ids(config.get("bos_token_id"))), None)
+        eos_ids = set(_ids(gen_config.get("eos_token_id"))) | set(_ids(config.get("eos_token_id")))
+        if token_id(texts.get("eos_token")) is not None:
+            eos_ids.add(token_id(texts["eos_token"]))
+        template = tok_config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(tok_config.get("add_bos_token", False)),
+                   chat_template=template, special_texts=texts)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        if not self.chat_template:
+            raise CheckpointError("this checkpoint has no chat template (tokenizer_config.json chat_template); "
+                                  "use /v1/completions")
+        if self._template is None:
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.special_texts.get("bos_token", ""),
+                                     eos_token=self.special_texts.get("eos_token", ""), **extra)
+
+    def encode_chat(self, messages: list[dict], **extra) -> list[int]:
+        text = self.apply_chat_template(messages, **extra)
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self)
+
+    def fingerprint(self) -> dict:
+        """What must match between a target and its drafter: vocab, merges, added tokens, bos, eos."""
+        model = json.loads(self.backend.to_str())
+        return {"model": model.get("model"), "added_tokens": model.get("added_tokens"),
+                "bos": self.bos_id, "eos": sorted(self.eos_ids)}
+
+
+def _raise_template_error(message):
+    raise jinja2.TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids before this are settled text
+        self.read_offset = 0  # text of ids[prefix_offset:read_offset] has been emitted
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = decode(self.ids[self.prefix_offset:])
+        if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        full = self.tokenizer.decode(self.ids)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
