@@ -1,0 +1,1 @@
+"""The kernel contract: records, gates, controls, runner, report."""

@@ -1,0 +1,46 @@
+"""Facts about the MLX backend this process runs on: device, and whether its ops are row-invariant."""
+
+from __future__ import annotations
+
+import platform
+
+import mlx.core as mx
+
+
+def device_info() -> dict:
+    device = mx.default_device()
+    return {"backend": "cpu" if device.type == mx.cpu else "gpu", "device": str(device),
+            "metal": mx.metal.is_available(), "platform": platform.platform(), "mlx": mx.__version__}
+
+
+def _rows_invariant(op, x: mx.array, max_rows: int = 16) -> bool:
+    """Each row of a k-row call must be bit-equal to its own 1-row call."""
+    singles = [op(x[i:i + 1]) for i in range(max_rows)]
+    for k in (2, 3, 4, 8, max_rows):
+        many = op(x[:k])
+        if not all(mx.array_equal(many[i:i + 1], singles[i]).item() for i in range(k)):
+            return False
+    return True
+
+
+def backend_row_invariance(dim: int = 256) -> dict:
+    """Probe matmul (fp32, bf16), 4-bit quantized matmul and SDPA for row invariance on this device."""
+    mx.random.seed(0)
+    x = mx.random.normal((16, dim))
+    w = mx.random.normal((dim, dim)) / dim ** 0.5
+    qw, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    keys = mx.random.normal((1, 4, 32, 64))
+    values = mx.random.normal((1, 4, 32, 64))
+
+    def sdpa(rows):
+        q = mx.broadcast_to(rows[:, :64].reshape(1, 1, -1, 64), (1, 4, rows.shape[0], 64))
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125)[0, 0]
+
+    checks = {
+        "matmul_float32": _rows_invariant(lambda r: r @ w, x),
+        "matmul_bfloat16": _rows_invariant(lambda r: r @ w.astype(mx.bfloat16), x.astype(mx.bfloat16)),
+        "quantized_matmul_4bit": _rows_invariant(
+            lambda r: mx.quantized_matmul(r, qw, scales, biases, transpose=True, group_size=64, bits=4), x),
+        "sdpa": _rows_invariant(sdpa, x),
+    }
+    return {"row_invariant": all(checks.values()), "ops": checks}

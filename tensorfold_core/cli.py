@@ -1,0 +1,138 @@
+"""The `tensorfold` command: serve, run, capabilities, families."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from .errors import TensorfoldError
+from .options import ServeOptions
+
+
+class Cli(click.Group):
+    """Usage and product errors end in one line on stderr and exit status 2."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("tensorfold: aborted", err=True)
+            sys.exit(1)
+        except click.UsageError as exc:
+            where = f"{exc.ctx.command_path}: " if exc.ctx else "tensorfold: "
+            click.echo(f"{where}error: {exc.format_message()}", err=True)
+            sys.exit(2)
+        except TensorfoldError as exc:
+            click.echo(f"tensorfold: error: {exc}", err=True)
+            sys.exit(2)
+
+
+def serve_options(func):
+    """Click options generated from the one ServeOptions table."""
+    for name, field in reversed(list(ServeOptions.model_fields.items())):
+        annotation = field.annotation
+        kind = {int: int, str: str}.get(annotation, None)
+        if name == "dtype":
+            kind = click.Choice(["auto", "bfloat16", "float16", "float32"])
+        elif annotation == (int | None):
+            kind = int
+        func = click.option(ServeOptions.flag(name), name, type=kind, default=field.default,
+                            show_default=field.default is not None, help=field.description)(func)
+    return func
+
+
+def _options(**values) -> ServeOptions:
+    try:
+        return ServeOptions(**values)
+    except Exception as exc:  # pydantic's message names the field; turn it into the flag
+        errors = getattr(exc, "errors", lambda: [])()
+        if errors:
+            first = errors[0]
+            raise click.UsageError(f"{ServeOptions.flag(str(first['loc'][0]))}: {first['msg']}")
+        raise
+
+
+def _progress():
+    """A progress line per loading stage on a terminal; silent otherwise."""
+    if not sys.stderr.isatty():
+        return lambda stage: None
+    start = time.monotonic()
+    return lambda stage: click.echo(f"\r[{time.monotonic() - start:5.1f}s] {stage}…", err=True)
+
+
+@click.group(cls=Cli)
+@click.version_option(package_name="tensorfold")
+def main():
+    """tensorfold: exact speculative decoding on MLX, served OpenAI-style."""
+
+
+@main.command()
+@click.argument("model", required=False)
+@serve_options
+def serve(model, **values):
+    """Serve MODEL (a dir, a shipped name or a hub id; default: the shipped default model)."""
+    from .host import load_host
+    from .server import serve as run_server
+
+    options = _options(**values)
+    host = load_host(model, options, progress=_progress())
+    try:
+        run_server(host, options.host, options.port)
+    finally:
+        host.close()
+
+
+@main.command()
+@click.argument("model")
+@click.argument("prompt")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Most tokens to generate.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and rounds.")
+@click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template as a user message.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True, help="Float dtype of the weights and activations.")
+def run(model, prompt, max_tokens, as_json, chat, dtype):
+    """Greedy check mode: decode PROMPT with MODEL and print the text (or JSON with per-round stats)."""
+    from .checkmode import check_run
+
+    result = check_run(model, prompt, max_tokens=max_tokens, chat=chat, dtype=dtype, progress=_progress())
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(result["text"])
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def capabilities(as_json):
+    """What this install can do: version, backend, device, families, drafters, serve flags."""
+    from .host import capabilities as caps
+    from .backend import backend_row_invariance
+
+    info = caps(ServeOptions(), extra={"row_invariance": backend_row_invariance()})
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    click.echo(f"tensorfold {info['version']} on {info['device']} (mlx {info['mlx']})")
+    click.echo(f"row invariance: {info['row_invariance']}")
+    click.echo("families: " + ", ".join(f["name"] for f in info["families"]))
+
+
+@main.command()
+def families():
+    """Every installed plugin with its distribution, version, families, drafters and kernel count."""
+    from .plugins import registry
+
+    rows = registry().roll_call()
+    if not rows:
+        click.echo("no plugins installed (pip install tensorfold-llama)")
+    for row in rows:
+        click.echo(f"{row['distribution'] or row['plugin']} {row['version'] or ''}: "
+                   f"families [{', '.join(row['families'])}], drafters [{', '.join(row['drafters'])}], "
+                   f"kernels {row['kernels']}, models [{', '.join(row['models'])}]")

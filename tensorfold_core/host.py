@@ -1,0 +1,189 @@
+"""The engine thread: submit / cancel / events, admission up to --parallel, and model loading for serving."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from . import __version__
+from .backend import device_info
+from .errors import RequestError
+from .lanes.engine import Engine
+from .lanes.stream import Stream
+from .lanes.types import DoneEvent, GenerationRequest
+from .options import ServeOptions
+from .protocols import Model
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("tensorfold")
+DEFAULT_CONTEXT_CAP = 8192
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A submitted request's handle, for cancel()."""
+
+    id: int
+
+
+class Host:
+    """Owns the model and the one thread that runs MLX; the server talks to it through submit and cancel."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, options: ServeOptions, *, model_id: str,
+                 context: int, info: dict | None = None, start: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.options = options
+        self.model_id = model_id
+        self.context = context
+        self.info = dict(info or {})
+        shared = self.info.get("row_invariance", {}).get("row_invariant", True)
+        self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared)
+        self._ids = itertools.count(1)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[Stream] = deque()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Refuse at once what can never be served; the message carries the numbers."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt has no tokens", param="prompt")
+        if n >= self.context:
+            raise RequestError(f"this model's context is {self.context} tokens; the prompt has {n} "
+                               f"(at least one must be left for the reply)", param="messages",
+                               code="context_length_exceeded")
+        bad = next((t for t in request.prompt_ids if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.model.vocab_size - 1})",
+                               param="prompt")
+        if request.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+
+    def submit(self, request: GenerationRequest, on_event: Callable) -> Ticket:
+        self.validate(request)
+        ticket = Ticket(next(self._ids))
+        self._inbox.put(("submit", ticket.id, request, on_event))
+        self._wake.set()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        self._inbox.put(("cancel", ticket.id, None, None))
+        self._wake.set()
+
+    def _new_stream(self, stream_id: int, request: GenerationRequest, on_event: Callable) -> Stream:
+        limit = min(self.context, len(request.prompt_ids) + request.max_tokens)
+        cache = self.model.new_cache(limit)
+        return Stream(id=stream_id, request=request, cache=cache, on_event=on_event, limit=limit)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, stream_id, request, on_event = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._waiting.append((stream_id, request, on_event))
+                continue
+            queued = next((w for w in self._waiting if w[0] == stream_id), None)
+            if queued is not None:
+                self._waiting.remove(queued)
+                usage = {"prompt_tokens": len(queued[1].prompt_ids), "completion_tokens": 0,
+                         "total_tokens": len(queued[1].prompt_ids), "prompt_tokens_details": {"cached_tokens": 0}}
+                queued[2](DoneEvent(finish_reason="cancelled", usage=usage))
+            else:
+                self.engine.cancel(stream_id)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self.engine.streams) < self.options.parallel:
+            stream_id, request, on_event = self._waiting.popleft()
+            self.engine.add(self._new_stream(stream_id, request, on_event))
+
+    def _loop(self) -> None:
+        while not self._closed:
+            self._drain_inbox()
+            self._admit()
+            if self.engine.idle():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.round()
+            except Exception:  # keep serving: the engine already failed the streams it could name
+                log.exception("round failed")
+
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.model_id, "streams": len(self.engine.streams),
+                "queued": self.queued(), "rounds": self.engine.rounds}
+
+    def capabilities(self) -> dict:
+        return capabilities(self.options, extra={"model": self.model_id, "context": self.context, **self.info})
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+
+def capabilities(options: ServeOptions, extra: dict | None = None) -> dict:
+    """What this install can do and how it serves: version, backend, device, plugins, serve flags."""
+    from .plugins import registry
+
+    reg = registry()
+    return {
+        "version": __version__,
+        **device_info(),
+        "families": [{"name": f.name, "model_types": list(f.model_types)} for f in reg.families()],
+        "drafters": [d.name for d in reg.drafters()],
+        "models": [{"name": m.name, "role": m.role, "default": m.default} for m in reg.models()],
+        "plugins": reg.roll_call(),
+        "serve_flags": {name: {"default": field.default, "description": field.description}
+                        for name, field in ServeOptions.model_fields.items()},
+        "options": options.model_dump(),
+        **(extra or {}),
+    }
+
+
+def load_target(model: str | None, options: ServeOptions, progress: Callable[[str], None] = lambda stage: None):
+    """Resolve, refuse drafter-only checkpoints by name, load, and probe row invariance."""
+    from .checkpoint import load_model
+    from .errors import DrafterError
+    from .probe import row_invariance
+    from .plugins import registry
+    from .specs import LoadOptions
+
+    name = model or registry().default_model().name
+    shipped = registry().shipped(name)
+    if shipped is not None and shipped.role == "drafter":
+        raise DrafterError(f"{name} is admitted only as a drafter; serve a target with --drafter {name}")
+    progress("loading weights")
+    loaded, tokenizer, ckpt = load_model(name, LoadOptions(dtype=options.dtype))
+    progress("probing row invariance")
+    probe = row_invariance(loaded)
+    return name, loaded, tokenizer, ckpt, probe
+
+
+def load_host(model: str | None, options: ServeOptions,
+              progress: Callable[[str], None] = lambda stage: None) -> Host:
+    """Load the target and start the engine thread over it."""
+    name, loaded, tokenizer, ckpt, probe = load_target(model, options, progress)
+    if not probe.get("row_invariant", False):
+        log.warning("backend is not row-invariant (%s): each stream runs its own forward", probe.get("detail"))
+    max_positions = int(ckpt.config.get("max_position_embeddings") or DEFAULT_CONTEXT_CAP)
+    context = options.context or min(max_positions, DEFAULT_CONTEXT_CAP)
+    model_id = options.model_name or name
+    info = {"row_invariance": probe, "checkpoint": str(ckpt.path), "model_type": ckpt.model_type}
+    return Host(loaded, tokenizer, options, model_id=model_id, context=context, info=info)

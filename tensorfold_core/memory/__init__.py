@@ -1,0 +1,1 @@
+"""Memory: one byte ledger and the prompt cache."""

@@ -1,0 +1,134 @@
+"""The lane core's plain rounds: concurrent replies equal solo replies, whoever joins, leaves or is cancelled."""
+
+import random
+
+import pytest
+
+from tensorfold_core.checkpoint import load_model
+from tensorfold_core.lanes.engine import Engine
+from tensorfold_core.lanes.stream import Stream
+from tensorfold_core.lanes.types import DoneEvent, GenerationRequest, TokenEvent
+from tensorfold_core.sampling import SamplingParams
+from tensorfold_core.testing import tiny_llama_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tiny_llama_checkpoint(tmp_path_factory.mktemp("lanes"), seed=3)
+    return load_model(str(path))[0]
+
+
+def make_requests(n, seed=0):
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        prompt = [rng.randrange(6, 384) for _ in range(rng.randrange(1, 40))]
+        sampling = SamplingParams() if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i)
+        requests.append(GenerationRequest(prompt_ids=prompt, max_tokens=rng.randrange(4, 20), sampling=sampling))
+    return requests
+
+
+class Run:
+    """Drives an engine round by round: arrivals join between rounds up to `parallel` streams."""
+
+    def __init__(self, model, parallel, chunk=8):
+        self.model, self.parallel = model, parallel
+        self.engine = Engine(model, prefill_chunk=chunk)
+        self.events: dict[int, list] = {}
+        self.waiting = []
+        self.round_rows = []
+
+    def submit(self, sid, request):
+        self.events[sid] = []
+        self.waiting.append((sid, request))
+
+    def admit(self):
+        while self.waiting and len(self.engine.streams) < self.parallel:
+            sid, request = self.waiting.pop(0)
+            limit = len(request.prompt_ids) + request.max_tokens
+            self.engine.add(Stream(id=sid, request=request, cache=self.model.new_cache(limit),
+                                   on_event=self.events[sid].append, limit=limit))
+
+    def step(self):
+        self.admit()
+        self.round_rows.append([len(t.window) for t in self.engine.plan()])
+        return self.engine.round()
+
+    def finish(self):
+        while self.waiting or not self.engine.idle():
+            self.step()
+
+    def tokens(self, sid):
+        return [t for e in self.events[sid] if isinstance(e, TokenEvent) for t in e.token_ids]
+
+    def done(self, sid):
+        return next(e for e in self.events[sid] if isinstance(e, DoneEvent))
+
+
+def solo(model, request):
+    run = Run(model, parallel=1)
+    run.submit(0, request)
+    run.finish()
+    return run.tokens(0)
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 4, 8])
+def test_every_reply_at_several_concurrent_streams_has_the_token_ids_of_its_solo_run(model, parallel):
+    requests = make_requests(8, seed=parallel)
+    run = Run(model, parallel)
+    for sid, request in enumerate(requests):
+        run.submit(sid, request)
+    run.finish()
+    for sid, request in enumerate(requests):
+        assert run.tokens(sid) == solo(model, request), f"stream {sid}"
+        assert run.done(sid).finish_reason == "length"
+    if parallel > 1:
+        assert max(len(rows) for rows in run.round_rows) > 1  # rounds really were shared
+
+
+def test_streams_joining_between_rounds_and_a_cancelled_neighbour_change_no_reply(model):
+    requests = make_requests(5, seed=42)
+    run = Run(model, parallel=3)
+    run.submit(0, requests[0])
+    for _ in range(3):
+        run.step()
+    run.submit(1, requests[1])
+    run.submit(2, requests[2])
+    run.step()
+    run.submit(3, requests[3])  # queued: the engine is full
+    run.step()
+    run.engine.cancel(2)
+    run.submit(4, requests[4])
+    run.finish()
+    assert run.done(2).finish_reason == "cancelled"
+    for sid in (0, 1, 3, 4):
+        assert run.tokens(sid) == solo(model, requests[sid]), f"stream {sid}"
+
+
+def test_prompt_chunks_interleave_with_decode_rounds(model):
+    short = GenerationRequest(prompt_ids=[10, 11], max_tokens=12)
+    long = GenerationRequest(prompt_ids=list(range(20, 60)), max_tokens=3)
+    run = Run(model, parallel=2, chunk=8)
+    run.submit(0, short)
+    run.step()
+    run.submit(1, long)
+    run.finish()
+    mixed = [rows for rows in run.round_rows if len(rows) == 2]
+    assert any(rows[0] == 1 and rows[1] == 8 for rows in mixed)  # a decode row beside a full prompt chunk
+    assert run.tokens(0) == solo(model, short)
+    assert run.tokens(1) == solo(model, long)
+
+
+def test_a_stop_token_ends_the_stream_and_is_not_shown(model):
+    request = make_requests(1, seed=5)[0]
+    reply = solo(model, request)
+    stop = reply[2]
+    first = reply.index(stop)
+    stopped = GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=request.max_tokens,
+                                sampling=request.sampling, stop_token_ids=frozenset({stop}))
+    run = Run(model, parallel=1)
+    run.submit(0, stopped)
+    run.finish()
+    assert run.tokens(0) == reply[:first]
+    assert run.done(0).finish_reason == "stop"
+    assert run.done(0).usage["completion_tokens"] == first + 1
