@@ -1,0 +1,1 @@
+"""tensorfold family plugin: llama and mistral-style checkpoints, dense or MLX affine-quantized."""

@@ -1,0 +1,35 @@
+"""The llama plugin's hooks: the llama family and the tiny checkpoints shipped with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tensorfold_core import hookimpl
+from tensorfold_core.specs import Family, ShippedModel
+
+MODELS = Path(__file__).parent / "models"
+
+
+def _load(ckpt, options):
+    from .load import load  # mlx modules load only when a llama checkpoint does
+
+    return load(ckpt, options)
+
+
+@hookimpl
+def tensorfold_families():
+    return [Family(name="llama", model_types=("llama", "mistral"), load=_load,
+                   description="Llama 1/2/3 and Mistral-style decoders, dense or MLX affine-quantized")]
+
+
+SHIPPED = [
+    dict(name="tiny-llama", default=True, drafter="tiny-llama-drafter",
+         description="a tiny llama trained for tests and demos"),
+    dict(name="tiny-llama-drafter", role="drafter", description="the drafter of tiny-llama"),
+    dict(name="tiny-llama-drafter-4bit", role="drafter", description="the drafter of tiny-llama, 4-bit affine"),
+]
+
+
+@hookimpl
+def tensorfold_models():
+    return [ShippedModel(path=MODELS / spec["name"], **spec) for spec in SHIPPED if (MODELS / spec["name"]).is_dir()]

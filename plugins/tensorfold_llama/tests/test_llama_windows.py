@@ -1,0 +1,126 @@
+"""Rows are exact however they are windowed: k-row windows, ragged streams, kept prefixes, chunked prefill."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from llama_helpers import PROMPT, run
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.probe import row_invariance
+from tensorfold_core.specs import LoadOptions
+from tensorfold_llama.load import load
+
+DRAFTS = [33, 260, 7, 140, 81, 2, 377, 64]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "4-bit"])
+def model(request, checkpoints, quantized):
+    if request.param == "4-bit":
+        return load(Checkpoint.open(quantized("gqa-tied", 4, 64)), LoadOptions())
+    return load(Checkpoint.open(checkpoints("gqa-tied")), LoadOptions(dtype=request.param))
+
+
+def prefilled(model, tokens=PROMPT[:12], capacity=64):
+    cache = model.new_cache(capacity)
+    model.forward([cache], [tokens], [0])
+    model.keep(cache, len(tokens))
+    return cache
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_a_k_row_window_gives_the_rows_of_k_one_row_steps_bit_for_bit(model, k):
+    steps, cache = [], prefilled(model)
+    for token in DRAFTS[:k]:
+        steps.append(model.forward([cache], [[token]], [1]))
+        model.keep(cache, 1)
+    window = model.forward([prefilled(model)], [DRAFTS[:k]], [k])
+    assert mx.array_equal(window, mx.concatenate(steps))
+
+
+def test_ragged_windows_of_several_streams_give_each_stream_the_rows_it_gets_alone(model):
+    streams = [(PROMPT[:12], DRAFTS[:5]), (PROMPT[3:5], DRAFTS[2:3]), (PROMPT[:17], DRAFTS[1:8]), (PROMPT[9:], [9, 9])]
+    alone = [model.forward([prefilled(model, p)], [w], [len(w)]) for p, w in streams]
+    caches = [prefilled(model, p) for p, _ in streams]
+    shared = model.forward(caches, [w for _, w in streams], [len(w) for _, w in streams])
+    assert mx.array_equal(shared, mx.concatenate(alone))
+    some = model.forward([prefilled(model, p) for p, _ in streams], [w for _, w in streams], [2, 0, 1, 2])
+    assert mx.array_equal(some, mx.concatenate([alone[0][-2:], alone[2][-1:], alone[3]]))
+
+
+def test_keep_trims_the_rejected_tail_and_the_next_window_overwrites_it(model):
+    cache = prefilled(model)
+    model.forward([cache], [DRAFTS[:6]], [6])
+    model.keep(cache, 2)  # the first two drafts accepted, four rejected
+    assert cache.offset == 14
+    after = model.forward([cache], [[11, 12, 13]], [3])
+    model.keep(cache, 3)
+    fresh = prefilled(model, PROMPT[:12] + DRAFTS[:2])
+    assert mx.array_equal(after, model.forward([fresh], [[11, 12, 13]], [3]))
+
+
+def test_chunked_prefill_gives_the_one_shot_last_row_and_the_same_next_step(model):
+    one_shot = model.new_cache(64)
+    whole = model.forward([one_shot], [PROMPT], [1])
+    model.keep(one_shot, len(PROMPT))
+    chunked = model.new_cache(64)
+    for at, size in ((0, 8), (8, 7)):
+        assert model.forward([chunked], [PROMPT[at:at + size]], [0]).shape == (0, model.vocab_size)
+        model.keep(chunked, size)
+    last = model.forward([chunked], [PROMPT[15:]], [1])
+    model.keep(chunked, len(PROMPT) - 15)
+    assert mx.array_equal(last, whole)
+    next_rows = [model.forward([c], [DRAFTS[:3]], [3]) for c in (one_shot, chunked)]
+    assert mx.array_equal(*next_rows)
+
+
+def test_a_window_past_the_preallocated_rows_grows_the_cache_and_stays_exact(model):
+    tokens = (PROMPT * 3)[:60]
+    cache = model.new_cache(40)
+    model.forward([cache], [tokens[:30]], [0])
+    model.keep(cache, 30)
+    window = model.forward([cache], [tokens[30:]], [30])  # 60 rows: more than capacity and slack
+    model.keep(cache, 10)
+    assert mx.array_equal(window, run(model, tokens, [1] * 60)[30:])
+    model.forward([cache], [[1]], [1])
+    with pytest.raises(ValueError, match="capacity 40"):
+        model.keep(cache, 1)
+
+
+def test_a_cache_must_be_kept_before_its_next_forward(model):
+    cache = model.new_cache(16)
+    model.forward([cache], [[1, 2]], [1])
+    with pytest.raises(ValueError, match="keep"):
+        model.forward([cache], [[3]], [1])
+    with pytest.raises(ValueError, match="cannot keep 3 rows"):
+        model.keep(cache, 3)
+
+
+def test_cache_bytes_price_the_keys_and_values_a_cache_holds(model):
+    cache = model.new_cache(100)
+    held = sum(a.nbytes for a in cache.keys + cache.values)
+    assert model.cache_bytes(100) == held
+
+
+def test_the_row_invariance_probe_passes_on_this_backend(model):
+    verdict = row_invariance(model)
+    assert verdict["row_invariant"], verdict["detail"]
+
+
+class RowDependent:
+    """A model whose logits shift when a window has more than one row: what a non-invariant backend looks like."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.model_type, self.vocab_size, self.dtype = inner.model_type, inner.vocab_size, inner.dtype
+        self.new_cache, self.cache_bytes, self.keep = inner.new_cache, inner.cache_bytes, inner.keep
+
+    def forward(self, caches, windows, logit_rows):
+        logits = self.inner.forward(caches, windows, logit_rows)
+        return logits + (1e-6 if sum(map(len, windows)) > 1 else 0.0)
+
+
+def test_the_row_invariance_probe_reports_a_model_whose_rows_depend_on_the_window(model):
+    verdict = row_invariance(RowDependent(model))
+    assert not verdict["row_invariant"]
+    assert "8-row window" in verdict["detail"] and "differ" in verdict["detail"]
