@@ -38,3 +38,29 @@ class Model(Protocol):
 
     def keep(self, cache: Cache, rows: int) -> None:
         """Commit the first `rows` rows of the last window run on `cache` and drop the rest."""
+
+
+class Proposer(Protocol):
+    """Gives streams drafts to verify: the core's copy proposer, or a drafter from a plugin."""
+
+    name: str
+
+    def propose(self, asks: Sequence["DraftAsk"]) -> list[list[int]]:
+        """For each ask, up to `depth` tokens to follow `tokens`; one call a round so steps batch."""
+
+    def release(self, stream_id: int) -> None:
+        """The stream left; a drafter may keep its slot for a later request sharing the prefix."""
+
+
+class DraftAsk:
+    """One stream's ask to a proposer: its committed tokens (pending one last) and the depth wanted."""
+
+    __slots__ = ("stream_id", "tokens", "depth")
+
+    def __init__(self, stream_id: int, tokens: Sequence[int], depth: int):
+        self.stream_id = stream_id
+        self.tokens = tokens
+        self.depth = depth
+
+    def __repr__(self):
+        return f"DraftAsk(stream_id={self.stream_id}, tokens=<{len(self.tokens)}>, depth={self.depth})"
