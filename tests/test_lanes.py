@@ -132,3 +132,42 @@ def test_a_stop_token_ends_the_stream_and_is_not_shown(model):
     assert run.tokens(0) == reply[:first]
     assert run.done(0).finish_reason == "stop"
     assert run.done(0).usage["completion_tokens"] == first + 1
+
+
+def serial(request):
+    return GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=request.max_tokens,
+                             sampling=request.sampling, stop_token_ids=request.stop_token_ids, draft=False)
+
+
+def looping_requests():
+    """Prompts that repeat themselves, so copy drafts are offered and some land."""
+    base = [[40, 41, 42, 43, 44] * 4, [7, 8, 9] * 6 + [7], [100, 200, 300, 100, 200] * 3]
+    requests = []
+    for i, prompt in enumerate(base):
+        requests.append(GenerationRequest(prompt_ids=prompt, max_tokens=40))
+        requests.append(GenerationRequest(prompt_ids=prompt, max_tokens=40,
+                                          sampling=SamplingParams(temperature=0.8, seed=i)))
+    return requests
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 4, 8])
+def test_copy_drafted_replies_equal_the_serial_reference_for_greedy_and_seeded_sampling(model, parallel):
+    requests = looping_requests()
+    run = Run(model, parallel)
+    for sid, request in enumerate(requests):
+        run.submit(sid, request)
+    run.finish()
+    offered = kept = 0
+    for sid, request in enumerate(requests):
+        assert run.tokens(sid) == solo(model, serial(request)), f"stream {sid}"
+        stats = run.done(sid).usage["tensorfold"]
+        offered, kept = offered + stats["drafted"], kept + stats["accepted"]
+    assert kept > 0 and offered > kept  # drafts were verified, some landed and some were cut
+
+
+def test_a_serial_request_carries_no_drafts(model):
+    run = Run(model, parallel=1)
+    run.submit(0, serial(looping_requests()[0]))
+    run.finish()
+    assert run.done(0).usage["tensorfold"]["drafted"] == 0
+    assert all(rows == [1] for rows in run.round_rows[-5:])

@@ -1,34 +1,51 @@
-"""The round loop: pick each stream's window, one forward for all, keyed draws, commit, keep, emit."""
+"""The round loop: every stream's window in one forward, keyed draws at each row, accept, commit, keep, emit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..protocols import Model
+from ..protocols import DraftAsk, Model, Proposer
 from ..sampling import draw_rows
+from .copy import CopyProposer
 from .stream import Stream
 from .types import ErrorEvent
+
+MAX_DEPTH = 15
 
 
 @dataclass
 class Turn:
-    """One stream's part in a round: the rows it feeds and whether its last row draws a token."""
+    """One stream's part in a round: the rows it feeds, its drafts, and whether its rows draw tokens."""
 
     stream: Stream
     window: list[int]
     draws: bool
+    drafts: list[int] = field(default_factory=list)
+    source: str = ""  # which proposer gave the drafts
+
+
+def accepted_prefix(drafts: list[int], draws: list[int]) -> int:
+    """How many drafts equal the target's own draws, from the first."""
+    n = 0
+    while n < len(drafts) and drafts[n] == draws[n]:
+        n += 1
+    return n
 
 
 class Engine:
     """Runs rounds over admitted streams; single-threaded, so it can run in a thread or inline."""
 
-    def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True):
+    def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
+                 drafter: Proposer | None = None, max_depth: int = MAX_DEPTH):
         self.model = model
         self.prefill_chunk = prefill_chunk
-        # without row invariance a stream's rows would depend on its neighbours, so each runs alone
+        # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
         self.shared_rounds = shared_rounds
+        self.copy = CopyProposer()
+        self.drafter = drafter
+        self.max_depth = max_depth
         self.streams: dict[int, Stream] = {}
         self.rounds = 0
 
@@ -43,8 +60,15 @@ class Engine:
     def idle(self) -> bool:
         return not self.streams
 
+    def depth_for(self, stream: Stream) -> int:
+        """Most drafts this stream's window may carry this round."""
+        if not (stream.request.draft and self.shared_rounds) or stream.prefilling:
+            return 0
+        room = min(stream.request.max_tokens - stream.generated, stream.limit - len(stream.tokens)) - 1
+        return max(0, min(self.max_depth, room))
+
     def plan(self) -> list[Turn]:
-        """Every decoding stream's pending token, plus prompt chunks up to one chunk's rows."""
+        """Every decoding stream's pending token and drafts, plus prompt chunks up to one chunk's rows."""
         turns, prefill_rows = [], 0
         for stream in self.streams.values():
             if stream.prefilling:
@@ -56,7 +80,20 @@ class Engine:
                 window = stream.window(self.prefill_chunk)
             draws = stream.cache.offset + len(window) == len(stream.tokens)
             turns.append(Turn(stream, window, draws))
+        self._propose([t for t in turns if t.draws])
         return turns
+
+    def _propose(self, turns: list[Turn]) -> None:
+        asks = {id(t): DraftAsk(t.stream.id, t.stream.tokens, self.depth_for(t.stream)) for t in turns}
+        wanting = [t for t in turns if asks[id(t)].depth > 0]
+        for turn, drafts in zip(wanting, self.copy.propose([asks[id(t)] for t in wanting])):
+            turn.drafts, turn.source = drafts, "copy"
+        rest = [t for t in wanting if not t.drafts]
+        if self.drafter is not None and rest:
+            for turn, drafts in zip(rest, self.drafter.propose([asks[id(t)] for t in rest])):
+                turn.drafts, turn.source = list(drafts)[:asks[id(turn)].depth], self.drafter.name
+        for turn in wanting:
+            turn.window = turn.window + turn.drafts
 
     def round(self) -> bool:
         """One round; returns False when there was nothing to do."""
@@ -74,28 +111,46 @@ class Engine:
     def _run(self, group: list[Turn]) -> None:
         try:
             logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
-                                        [1 if t.draws else 0 for t in group])
+                                        [1 + len(t.drafts) if t.draws else 0 for t in group])
             rows = np.array(logits, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             for turn in group:
                 turn.stream.emit(ErrorEvent(error=exc))
-                self.streams.pop(turn.stream.id, None)
+                self._forget(turn.stream)
             return
         row = 0
         for turn in group:
             stream = turn.stream
-            self.model.keep(stream.cache, len(turn.window))
             if not turn.draws:
+                self.model.keep(stream.cache, len(turn.window))
                 continue
-            drawn = draw_rows(rows[row:row + 1], stream.request.sampling, stream.seed, len(stream.tokens))
-            row += 1
-            stream.stats.rounds += 1
-            stream.emit_tokens(stream.commit(drawn))
+            n = 1 + len(turn.drafts)
+            draws = draw_rows(rows[row:row + n], stream.request.sampling, stream.seed, len(stream.tokens))
+            row += n
+            accepted = accepted_prefix(turn.drafts, draws)
+            # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
+            self.model.keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
+            self._count(turn, accepted)
+            stream.emit_tokens(stream.commit(draws[:accepted + 1]))
             if stream.finish_reason:
                 self._leave(stream)
 
-    def _leave(self, stream: Stream, reason: str | None = None) -> None:
+    def _count(self, turn: Turn, accepted: int) -> None:
+        stats = turn.stream.stats
+        stats.rounds += 1
+        stats.drafted += len(turn.drafts)
+        stats.accepted += accepted
+        if turn.source == "copy":
+            self.copy.observe(turn.stream.id, len(turn.drafts), accepted)
+
+    def _forget(self, stream: Stream) -> None:
         self.streams.pop(stream.id, None)
+        self.copy.release(stream.id)
+        if self.drafter is not None:
+            self.drafter.release(stream.id)
+
+    def _leave(self, stream: Stream, reason: str | None = None) -> None:
+        self._forget(stream)
         stream.finish(reason)
 
     def run_until_idle(self) -> None:
