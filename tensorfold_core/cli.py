@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+import typing
 
 import click
+import pydantic
 
 from .errors import TensorfoldError
 from .options import ServeOptions
@@ -33,29 +35,44 @@ class Cli(click.Group):
             sys.exit(2)
 
 
+def _click_type(annotation):
+    """The click type for a ServeOptions field: choices for Literals, the base type for Optionals."""
+    args = [annotation] if typing.get_origin(annotation) is typing.Literal else \
+        [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if typing.get_origin(args[0]) is typing.Literal:
+        return click.Choice([str(v) for v in typing.get_args(args[0])])
+    return {int: int, str: str, float: float}.get(args[0], str)
+
+
 def serve_options(func):
     """Click options generated from the one ServeOptions table."""
     for name, field in reversed(list(ServeOptions.model_fields.items())):
-        annotation = field.annotation
-        kind = {int: int, str: str}.get(annotation, None)
-        if name == "dtype":
-            kind = click.Choice(["auto", "bfloat16", "float16", "float32"])
-        elif annotation == (int | None):
-            kind = int
-        func = click.option(ServeOptions.flag(name), name, type=kind, default=field.default,
+        func = click.option(ServeOptions.flag(name), name, type=_click_type(field.annotation),
+                            default=None if field.default is None else str(field.default),
                             show_default=field.default is not None, help=field.description)(func)
     return func
 
 
 def _options(**values) -> ServeOptions:
+    given = {k: v for k, v in values.items() if v is not None}
     try:
-        return ServeOptions(**values)
-    except Exception as exc:  # pydantic's message names the field; turn it into the flag
-        errors = getattr(exc, "errors", lambda: [])()
-        if errors:
-            first = errors[0]
-            raise click.UsageError(f"{ServeOptions.flag(str(first['loc'][0]))}: {first['msg']}")
-        raise
+        return ServeOptions(**_coerce(given))
+    except pydantic.ValidationError as exc:  # name the flag, not the field
+        first = exc.errors()[0]
+        raise click.UsageError(f"{ServeOptions.flag(str(first['loc'][0]))}: {first['msg']}")
+
+
+def _coerce(values: dict) -> dict:
+    """Choices arrive as strings; Literal ints want ints."""
+    out = {}
+    for name, value in values.items():
+        annotation = ServeOptions.model_fields[name].annotation
+        args = (annotation,) if typing.get_origin(annotation) is typing.Literal else typing.get_args(annotation)
+        literal = next((a for a in args if typing.get_origin(a) is typing.Literal), None)
+        if literal is not None and all(isinstance(v, int) for v in typing.get_args(literal)):
+            value = int(value)
+        out[name] = value
+    return out
 
 
 def _progress():

@@ -18,6 +18,12 @@ class ServeOptions(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Float dtype of the weights and activations (auto: the checkpoint's).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens a stream prefills per round.")
+    drafter: str | None = Field(None, description="A smaller same-tokenizer model that proposes drafts (a dir, "
+                                "a shipped name or a hub id; 'none' serves without one; default: the shipped "
+                                "model's own drafter).")
+    drafter_bits: Literal[0, 4, 8] | None = Field(None, description="Width of the drafter checkpoint: 4 or 8 "
+                                                  "(MLX affine, read in place) or 0 (float); default: whatever "
+                                                  "it holds.")
     model_name: str | None = Field(None, description="Name the model is served under in /v1/models.")
 
     @classmethod
