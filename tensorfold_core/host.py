@@ -42,6 +42,7 @@ class Host:
         self.model_id = model_id
         self.context = context
         self.info = dict(info or {})
+        self._capabilities = capabilities(options, extra={"model": model_id, "context": context, **self.info})
         shared = self.info.get("row_invariance", {}).get("row_invariant", True)
         self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared)
         self._ids = itertools.count(1)
@@ -129,7 +130,7 @@ class Host:
                 "queued": self.queued(), "rounds": self.engine.rounds}
 
     def capabilities(self) -> dict:
-        return capabilities(self.options, extra={"model": self.model_id, "context": self.context, **self.info})
+        return self._capabilities  # worked out at load: MLX is touched only by the loading and engine threads
 
     def close(self) -> None:
         self._closed = True

@@ -1,0 +1,161 @@
+"""The FastAPI app: OpenAI-compatible routes over a host (the server itself never touches MLX)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .. import __version__
+from ..errors import CheckpointError, RequestError
+from ..lanes.types import GenerationRequest
+from ..sampling import SamplingParams
+from . import errors
+from .generation import ClientGone, Generation, Step
+from .reply import Reply
+from .schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                      ChatDelta, ChatMessageOut, Completion, CompletionChoice, CompletionRequest, GenerationFields,
+                      ModelCard, ModelList, Usage)
+from .stream import open_stream
+
+GONE = 499  # nginx's "client closed request": never read by anyone, but honest in the access log
+
+
+def create_app(host) -> FastAPI:
+    """An app serving `host` (see tensorfold_core.host.Host) under the OpenAI API."""
+    app = FastAPI(title="tensorfold", version=__version__, docs_url=None, redoc_url=None)
+    app.state.host = host
+    app.state.created = int(time.time())
+    errors.install(app)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=host.model_id, created=app.state.created, max_model_len=host.context)
+
+    @app.get("/health")
+    def health():
+        report = host.health()
+        return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+
+    @app.get("/v1/models")
+    def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    def model(model: str) -> ModelCard:
+        _check_model(host, model)
+        return model_card()
+
+    @app.get("/v1/capabilities")
+    def capabilities():
+        return host.capabilities()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
+        _check_model(host, body.model)
+        body.refuse_unsupported()
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        try:
+            prompt_ids = host.tokenizer.encode_chat(messages)
+        except (CheckpointError, jinja2.TemplateError) as exc:
+            raise RequestError(f"the chat template refused the messages: {exc}", param="messages") from exc
+        generation = _start(host, body, prompt_ids, http)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(step: Step) -> ChatCompletionChunk | None:
+            if not step.piece.text and step.finish_reason is None and not body.return_token_ids:
+                return None
+            delta = ChatDelta(content=step.piece.text or None)
+            choice = ChatChunkChoice(delta=delta, finish_reason=step.finish_reason,
+                                     token_ids=step.piece.token_ids if body.return_token_ids else None)
+            return ChatCompletionChunk(id=rid, created=created, model=host.model_id, choices=[choice])
+
+        if body.stream:
+            opening = ChatCompletionChunk(id=rid, created=created, model=host.model_id,
+                                          choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+            usage_chunk = (lambda usage: ChatCompletionChunk(id=rid, created=created, model=host.model_id,
+                                                             choices=[], usage=Usage(**usage))) \
+                if body.include_usage else None
+            return await open_stream(generation, chunk, opening, usage_chunk) or Response(status_code=GONE)
+        try:
+            done = await generation.collect()
+        except ClientGone:
+            return Response(status_code=GONE)
+        choice = ChatChoice(message=ChatMessageOut(content=done.piece.text), finish_reason=done.finish_reason,
+                            token_ids=done.piece.token_ids if body.return_token_ids else None)
+        return ChatCompletion(id=rid, created=created, model=host.model_id, choices=[choice],
+                              usage=Usage(**done.usage))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        _check_model(host, body.model)
+        body.refuse_unsupported()
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = host.tokenizer.encode(prompt)
+        else:
+            prompt_ids = _checked_ids(host, prompt)
+        generation = _start(host, body, prompt_ids, http)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(step: Step) -> Completion | None:
+            if not step.piece.text and step.finish_reason is None and not body.return_token_ids:
+                return None
+            choice = CompletionChoice(text=step.piece.text, finish_reason=step.finish_reason,
+                                      token_ids=step.piece.token_ids if body.return_token_ids else None)
+            return Completion(id=rid, created=created, model=host.model_id, choices=[choice])
+
+        if body.stream:
+            usage_chunk = (lambda usage: Completion(id=rid, created=created, model=host.model_id, choices=[],
+                                                    usage=Usage(**usage))) if body.include_usage else None
+            return await open_stream(generation, chunk, None, usage_chunk) or Response(status_code=GONE)
+        try:
+            done = await generation.collect()
+        except ClientGone:
+            return Response(status_code=GONE)
+        choice = CompletionChoice(text=done.piece.text, finish_reason=done.finish_reason,
+                                  token_ids=done.piece.token_ids if body.return_token_ids else None)
+        return Completion(id=rid, created=created, model=host.model_id, choices=[choice],
+                          usage=Usage(**done.usage))
+
+    return app
+
+
+def _check_model(host, name: str | None) -> None:
+    """A request may leave the model out or name the served id; any other name is a 404."""
+    if name and name != host.model_id:
+        raise RequestError(f"The model `{name}` does not exist; this server serves `{host.model_id}`.",
+                           param="model", code="model_not_found", status=404, kind="not_found_error")
+
+
+def _checked_ids(host, ids: list[int]) -> list[int]:
+    vocab = host.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise RequestError(f"prompt token id {token} at index {i} is outside the vocabulary (0..{vocab - 1})",
+                               param="prompt", code="invalid_token_id")
+    return list(ids)
+
+
+def _start(host, body: GenerationFields, prompt_ids: list[int], http: Request) -> Generation:
+    """Build the engine request (eos ids are stop tokens; no limit = the rest of the context) and submit it."""
+    prompt_param = "prompt" if isinstance(body, CompletionRequest) else "messages"
+    if not prompt_ids:
+        raise RequestError("the prompt is empty", param=prompt_param)
+    limit = body.token_limit()
+    max_tokens = limit if limit is not None else max(1, host.context - len(prompt_ids))
+    sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
+                              min_p=body.min_p, seed=body.seed)
+    eos = frozenset(host.tokenizer.eos_ids)
+    request = GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, sampling=sampling,
+                                stop_token_ids=eos, draft=body.draft)
+    generation = Generation(host, request, Reply(host.tokenizer, body.stop_strings(), eos), http)
+    try:
+        generation.start()
+    except RequestError as exc:  # the host names the prompt one way; say it the way this endpoint spells it
+        if exc.param in ("prompt", "messages"):
+            exc.param = prompt_param
+        raise
+    return generation

@@ -1,0 +1,129 @@
+"""One request's run on the host: submit, bridge engine events to asyncio, cancel on stop string or disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.requests import Request
+
+from ..errors import TensorfoldError
+from ..lanes.types import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from .reply import Piece, Reply
+
+log = logging.getLogger("tensorfold.server")
+
+
+class ClientGone(Exception):
+    """The HTTP client went away before the reply was done."""
+
+
+@dataclass
+class Step:
+    """A piece of the reply; the last step also carries the finish reason and the usage."""
+
+    piece: Piece
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+class Generation:
+    """Drives one stream: the engine thread calls `_on_event`; the event loop reads `steps()`."""
+
+    def __init__(self, host, request: GenerationRequest, reply: Reply, http: Request | None = None):
+        self.host = host
+        self.request = request
+        self.reply = reply
+        self.http = http
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ticket = None
+        self.finished = False  # the host sent its DoneEvent or ErrorEvent
+        self.cancelled = False
+
+    def start(self) -> None:
+        """Submit to the host; a request it can never serve raises RequestError here."""
+        self.ticket = self.host.submit(self.request, self._on_event)
+
+    def _on_event(self, event) -> None:
+        # called from the engine thread: hand the event to the loop, never touch asyncio objects here
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
+            pass
+
+    def cancel(self) -> None:
+        """Ask the host to end the stream at its next round (idempotent; a no-op once it is done)."""
+        if self.ticket is not None and not self.finished and not self.cancelled:
+            self.cancelled = True
+            self.host.cancel(self.ticket)
+
+    async def _next_event(self, watcher: asyncio.Task | None):
+        if watcher is None:
+            return await self.queue.get()
+        getter = asyncio.ensure_future(self.queue.get())
+        try:
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        raise ClientGone()
+
+    async def steps(self) -> AsyncIterator[Step]:
+        """Pieces of the reply as rounds land, then a final step; raises ClientGone or the stream's error."""
+        watcher = asyncio.ensure_future(_disconnected(self.http)) if self.http is not None else None
+        try:
+            while True:
+                event = await self._next_event(watcher)
+                if isinstance(event, TokenEvent):
+                    piece = self.reply.feed(event.token_ids)
+                    if self.reply.stopped:
+                        self.cancel()  # eos is the host's own stop token; a stop string needs telling
+                    if piece.text or piece.token_ids:
+                        yield Step(piece)
+                elif isinstance(event, DoneEvent):
+                    self.finished = True
+                    yield Step(self.reply.finish(), self._finish_reason(event), dict(event.usage))
+                    return
+                elif isinstance(event, ErrorEvent):
+                    self.finished = True
+                    raise _as_raisable(event.error)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.cancel()  # a client gone, or a generator closed early: free the engine's slot
+
+    def _finish_reason(self, event: DoneEvent) -> str:
+        if self.reply.ended:
+            return "stop"
+        if event.finish_reason == "cancelled" and not self.cancelled:
+            log.warning("stream cancelled by the host before it finished")
+        return event.finish_reason
+
+    async def collect(self) -> Step:
+        """Run to the end; the step returned holds the whole reply's text and token ids."""
+        last = None
+        async for step in self.steps():
+            last = step
+        return Step(Piece(self.reply.text, list(self.reply.token_ids)), last.finish_reason, last.usage)
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns once the client has gone (the request body is already read, so only a disconnect arrives)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _as_raisable(error) -> BaseException:
+    """A stream's error as a TensorfoldError, so it maps to an error body like any other."""
+    if isinstance(error, TensorfoldError):
+        return error
+    wrapped = TensorfoldError(f"the engine failed this stream: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error if isinstance(error, BaseException) else None
+    return wrapped

@@ -1,0 +1,263 @@
+"""Pydantic models of the OpenAI-compatible request and response bodies."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from ..errors import RequestError
+
+# --------------------------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    """One message; content is text or a list of text parts (other part kinds are refused)."""
+
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template as given
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self, index: int) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for i, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"content part of type {part.get('type')!r} is not supported "
+                                       "(only text parts)", param=f"messages[{index}].content[{i}]")
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class GenerationFields(BaseModel):
+    """The fields both endpoints share: how many tokens, how to draw them, when to stop, what to return.
+
+    Where OpenAI leaves room, tensorfold decides so:
+    - temperature defaults to 1.0 as in OpenAI (sampled, keyed by `seed` or, without one, by the prompt);
+      send temperature 0 for greedy.
+    - no max_tokens / max_completion_tokens: the reply may run to the end of the context; a limit past the
+      context is cut at the context (finish_reason "length").
+    - the tokenizer's eos tokens end a reply (finish_reason "stop") and are in neither the text nor token_ids.
+    - `stop` strings match the detokenized text across token boundaries; the text ends right before the
+      stop string, and `token_ids` keep every token up to the one that completed it.
+    - `return_token_ids` puts the reply's token ids on the choice (and each chunk's own ids on each chunk).
+    - `draft: false` decodes without drafts (the serial reference); the tokens are the same either way.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    # OpenAI's default: a request that names no temperature samples at 1.0 (greedy is temperature 0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    draft: bool = True
+    return_token_ids: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise RequestError("stop strings must not be empty", param="stop")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def refuse_unsupported(self) -> None:
+        """Fields OpenAI defines that tensorfold does not serve yet: refused, never silently ignored."""
+        if self.n != 1:
+            raise RequestError("only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise RequestError(f"{name} is not supported (penalties would change the exact draws)",
+                                   param=name)
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise RequestError("logprobs are not supported yet", param="logprobs")
+        if self.tools and self.tool_choice != "none":
+            raise RequestError("tools are not supported yet", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise RequestError("only response_format type 'text' is supported", param="response_format")
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids; a batch of several is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise RequestError(f"a batch of {len(prompt)} prompts is not supported; send one per request",
+                                   param="prompt")
+            prompt = prompt[0]
+        return prompt
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs is not None:
+            raise RequestError("logprobs are not supported yet", param="logprobs")
+        if self.echo:
+            raise RequestError("echo is not supported", param="echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise RequestError("only best_of=1 is supported", param="best_of")
+
+
+# -------------------------------------------------------------------------------------------- responses
+
+
+class _Body(BaseModel):
+    """A response body; fields named in `_drop_none` are left out when None (others are written as null)."""
+
+    _drop_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        return {k: v for k, v in data.items() if not (v is None and k in self._drop_none)}
+
+
+class Usage(BaseModel):
+    """The host's usage dict: OpenAI's counts, prompt_tokens_details.cached_tokens and a `tensorfold` object."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatMessageOut(_Body):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Body):
+    _drop_none = frozenset({"token_ids"})
+
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(_Body):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Body):
+    _drop_none = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Body):
+    _drop_none = frozenset({"token_ids"})
+
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_Body):
+    _drop_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Body):
+    _drop_none = frozenset({"token_ids"})
+
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(_Body):
+    """A completion, or (object "text_completion" too, as OpenAI does) one streamed chunk of it."""
+
+    _drop_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tensorfold"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
