@@ -1,0 +1,425 @@
+"""Guards that keep drafting honest, and the planner that prices each round under them for the engine."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+from .pricing import PRIOR_ACCEPTANCE, Acceptance, Costs, lone_depth, shared_depths
+
+FIRST_GAP = 64  # plain rounds a stream stands aside before its first probe
+MAX_GAP = 1024  # the most plain rounds between two probes of a stream standing aside
+LOOK_AHEAD_ROUNDS = 1  # plain rounds an armed probe may see before its drafts reach a window
+MARGIN = 1.05  # drafted rounds must beat plain ones by this factor to be kept
+SHARED_MEASURE_PLAIN = 16  # measured rounds that give a stream count's plain rate
+SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a stream count's drafted rate
+SHARED_RUN = 512  # rounds the faster mode runs before the other one is measured again
+SHARED_RUN_GROWTH = 64  # a mode that keeps winning runs up to this many times SHARED_RUN
+LONE_STRETCH = 16  # measured rounds in a lone stream's drafted stretch (and in a plain one taken to compare)
+LONE_FIRST_WAIT = 16  # plain rounds after a lost stretch before drafting is measured again
+LONE_MAX_WAIT = 512  # the most that wait doubles to while plain keeps winning
+LONE_LOSSES_PRICED = 2  # lost stretches in a row after which the wait also bounds what a probe costs
+PROBE_SHARE = 0.03  # the most a probe may cost, as a share of the plain time before it
+STRETCH_HALF_LIFE = 64.0  # rounds after which a round weighs half in a stretch's rate
+
+
+class _Stretch:
+    """Committed tokens and wall ms over a stretch of rounds, decayed so a long stretch tells its recent rate."""
+
+    __slots__ = ("tokens", "ms", "weight", "measured", "rounds")
+    _decay = 0.5 ** (1.0 / STRETCH_HALF_LIFE)
+
+    def __init__(self):
+        self.tokens = self.ms = self.weight = 0.0
+        self.measured = 0  # rounds measured
+        self.rounds = 0  # rounds run, the unmeasured first one included
+
+    def add(self, tokens: int, ms: float) -> None:
+        self.tokens = self.tokens * self._decay + tokens
+        self.ms = self.ms * self._decay + ms
+        self.weight = self.weight * self._decay + 1.0
+        self.measured += 1
+
+    @property
+    def rate(self) -> float:
+        """Committed tokens per wall ms."""
+        return self.tokens / self.ms if self.ms > 0 else math.inf
+
+    @property
+    def round_ms(self) -> float:
+        """Wall ms of a measured round."""
+        return self.ms / self.weight if self.weight else 0.0
+
+
+class StandAside:
+    """One stream's stand-aside: plain rounds while its drafts cost more than they land, then ever rarer probes."""
+
+    def __init__(self, first_gap: int = FIRST_GAP, max_gap: int = MAX_GAP):
+        self.first_gap, self.max_gap = first_gap, max_gap
+        self.gap = first_gap  # plain rounds to stand aside before the next probe
+        self.count = 0  # plain rounds stood aside since the last probe
+        self.probing = False  # a probe is armed: the stream drafts until a round verifies its drafts
+        self._armed_plain = 0  # plain rounds since the probe armed
+        self._aside = False  # the last depth asked stood the stream aside
+
+    def depth(self, priced: int, probe: int) -> int:
+        """This round's depth: `priced` when drafting pays, `probe` while a probe is armed, else 0 (aside)."""
+        self._aside = False
+        if priced > 0:
+            if not self.probing:  # its drafts pay again: a later stand-aside starts from the first gap
+                self.count, self.gap = 0, self.first_gap
+            return priced
+        if not self.probing and self.count >= self.gap:
+            self.probing, self._armed_plain = True, 0
+        if self.probing:
+            return probe
+        self._aside = True
+        return 0
+
+    def round(self, verified: int) -> None:
+        """After the round: `verified` drafts of this stream's window met the target's draws."""
+        if self.probing:
+            # the look-ahead's plain round is allowed; a second one means the drafts were cut: stop paying for them
+            if verified > 0 or self._armed_plain >= LOOK_AHEAD_ROUNDS:
+                self.probing, self.count, self.gap = False, 0, min(self.gap * 2, self.max_gap)
+            else:
+                self._armed_plain += 1
+        elif self._aside:
+            self.count += 1
+
+
+class _Count:
+    """A stream count's guard state: the mode, whether it is measured or run, and each mode's last rate."""
+
+    def __init__(self, run: int):
+        self.drafted = False  # it starts plain
+        self.running = False  # False: measuring `drafted`; True: running the winner
+        self.stretch = _Stretch()
+        self.rates: dict[bool, float | None] = {False: None, True: None}
+        self.winner: bool | None = None
+        self.run = run
+
+
+class SharedGuard:
+    """Per stream count: committed tokens per wall ms of plain and drafted stretches; runs the faster mode."""
+
+    def __init__(self, measure_plain: int = SHARED_MEASURE_PLAIN, measure_drafted: int = SHARED_MEASURE_DRAFTED,
+                 run: int = SHARED_RUN, growth: int = SHARED_RUN_GROWTH, margin: float = MARGIN):
+        self.measure = {False: measure_plain, True: measure_drafted}
+        self.first_run, self.max_run, self.margin = run, run * growth, margin
+        self._counts: dict[int, _Count] = {}
+        self._last: tuple[int, bool] | None = None
+
+    def _count(self, streams: int) -> _Count:
+        entry = self._counts.get(streams)
+        if entry is None:
+            entry = self._counts[streams] = _Count(self.first_run)
+        return entry
+
+    def drafted(self, streams: int) -> bool:
+        """Whether a round of this many streams drafts (False: a plain round, drafts off)."""
+        return self._count(streams).drafted
+
+    def run_length(self, streams: int) -> int:
+        """Rounds the current winner at this stream count runs before the other mode is measured again."""
+        return self._count(streams).run
+
+    def interrupt(self) -> None:
+        """A round this guard did not see ran (a lone one): the next round here is a first round."""
+        self._last = None
+
+    def observe(self, streams: int, drafted: bool, tokens: int, ms: float) -> None:
+        """A round of `streams` streams in mode `drafted` committed `tokens` in `ms` of wall time."""
+        entry = self._count(streams)
+        if drafted != entry.drafted:  # not the mode this guard asked for: it measures nothing
+            self._last = None
+            return
+        # a mode's first round still carries the last round's drafts or their absence
+        first = self._last != (streams, drafted)
+        self._last = (streams, drafted)
+        entry.stretch.rounds += 1
+        if not first:
+            entry.stretch.add(tokens, ms)
+        done = (entry.stretch.rounds >= entry.run if entry.running
+                else entry.stretch.measured >= self.measure[entry.drafted])
+        if done:
+            self._next(entry)
+
+    def _next(self, entry: _Count) -> None:
+        if entry.stretch.measured:
+            entry.rates[entry.drafted] = entry.stretch.rate
+        other = not entry.drafted
+        if entry.running or entry.rates[other] is None:  # measure the other mode (again)
+            self._set(entry, other, running=False)
+            return
+        winner = entry.rates[True] > entry.rates[False] * self.margin
+        entry.run = min(entry.run * 2, self.max_run) if winner == entry.winner else self.first_run
+        entry.winner = winner
+        self._set(entry, winner, running=True)
+
+    @staticmethod
+    def _set(entry: _Count, drafted: bool, running: bool) -> None:
+        entry.drafted, entry.running, entry.stretch = drafted, running, _Stretch()
+
+
+@dataclass
+class _Band:
+    """What a band keeps from stream to stream: its plain rate and its run of lost drafted stretches."""
+
+    plain: float | None = None  # committed tokens per ms of its last plain stretch
+    plain_round_ms: float = 0.0
+    losses: int = 0  # drafted stretches lost in a row; above 0 it is the band's losing verdict
+    wait: int = LONE_FIRST_WAIT
+
+
+class LoneGuard:
+    """A lone stream's drafter rounds, per sampling mode and context band: drafting goes on while it beats plain."""
+
+    def __init__(self, stretch: int = LONE_STRETCH, first_wait: int = LONE_FIRST_WAIT,
+                 max_wait: int = LONE_MAX_WAIT, margin: float = MARGIN, probe_share: float = PROBE_SHARE):
+        self.stretch_rounds, self.first_wait, self.max_wait = stretch, first_wait, max_wait
+        self.margin, self.probe_share = margin, probe_share
+        self._bands: dict[Hashable, _Band] = {}
+        self._who: tuple[Hashable, Hashable] | None = None  # the (stream, band) the current stretch is for
+        self._drafted = True
+        self._stretch = _Stretch()
+        self._pending: _Stretch | None = None  # a drafted stretch waiting for a plain rate to be judged by
+        self._first = True
+
+    @staticmethod
+    def band(greedy: bool, context: int) -> tuple[bool, int]:
+        """The key a lone stream's verdicts are kept under: sampling mode and the power of 2 of its context."""
+        return greedy, max(context, 1).bit_length()
+
+    def _band(self, band: Hashable) -> _Band:
+        entry = self._bands.get(band)
+        if entry is None:
+            entry = self._bands[band] = _Band(wait=self.first_wait)
+        return entry
+
+    def losing(self, band: Hashable) -> bool:
+        """Whether the band's last verdict was a loss (its next stream starts plain)."""
+        return self._band(band).losses > 0
+
+    def wait(self, band: Hashable) -> int:
+        """Plain rounds the band runs after a loss before drafting is measured again."""
+        return self._band(band).wait
+
+    def drafted(self, stream: Hashable, band: Hashable) -> bool:
+        """Whether this lone stream's next round holds drafter drafts."""
+        self._follow(stream, band)
+        return self._drafted
+
+    def interrupt(self) -> None:
+        """A round this guard did not see ran (shared, prompt or copy): the next round here is a first round."""
+        self._first = True
+
+    def observe(self, stream: Hashable, band: Hashable, drafted: bool, tokens: int, ms: float) -> None:
+        """A lone round of this stream in mode `drafted` committed `tokens` in `ms` of wall time."""
+        self._follow(stream, band)
+        if drafted != self._drafted:  # not the mode this guard asked for: it measures nothing
+            self._first = True
+            return
+        stretch = self._stretch
+        stretch.rounds += 1
+        if self._first:  # a mode's first round still carries the last round's drafts or their absence
+            self._first = False
+        else:
+            stretch.add(tokens, ms)
+        entry = self._band(band)
+        if self._drafted:
+            if stretch.measured >= self.stretch_rounds:
+                if entry.plain is None:  # no plain rate yet for this band: take one stretch of it once
+                    self._pending = stretch
+                    self._set(False)
+                else:
+                    self._judge(entry, stretch)
+        elif (stretch.measured >= self.stretch_rounds if self._pending is not None else stretch.rounds >= entry.wait):
+            if stretch.measured:
+                entry.plain, entry.plain_round_ms = stretch.rate, stretch.round_ms
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._judge(entry, pending)
+            else:  # the wait is over: measure drafting again
+                self._set(True)
+
+    def _follow(self, stream: Hashable, band: Hashable) -> None:
+        if self._who != (stream, band):
+            # a stream new to the band starts plain where the band's last verdict was a loss
+            self._who, self._pending = (stream, band), None
+            self._set(self._band(band).losses == 0)
+            self._first = True
+
+    def _set(self, drafted: bool) -> None:
+        if drafted != self._drafted:
+            self._first = True
+        self._drafted, self._stretch = drafted, _Stretch()
+
+    def _judge(self, entry: _Band, stretch: _Stretch) -> None:
+        """A drafted stretch against the band's plain rate, on the stretch's own rate."""
+        if stretch.rate > entry.plain * self.margin:
+            entry.losses, entry.wait = 0, self.first_wait
+            self._set(True)
+            return
+        entry.losses += 1
+        entry.wait = self.first_wait if entry.losses == 1 else min(entry.wait * 2, self.max_wait)
+        if entry.losses >= LONE_LOSSES_PRICED:
+            entry.wait = max(entry.wait, self._priced_wait(entry, stretch))
+        self._set(False)
+
+    def _priced_wait(self, entry: _Band, stretch: _Stretch) -> int:
+        """Plain rounds that make a probe like this one cost at most `probe_share` of the plain time."""
+        if not stretch.weight or not entry.plain or entry.plain_round_ms <= 0:
+            return 0
+        # what the probe's rounds took beyond plain rounds committing the same tokens
+        lost = stretch.rounds * (stretch.round_ms - stretch.tokens / stretch.weight / entry.plain)
+        return max(math.ceil(lost / (self.probe_share * entry.plain_round_ms)), 0)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One decoding stream's part in the next round, as the planner needs it."""
+
+    stream_id: int
+    max_depth: int  # most drafts its window may carry this round (0: none)
+    context: int  # tokens in its context: the lone guard's band
+    greedy: bool = True  # greedy and sampled streams land drafts differently, so their verdicts are kept apart
+    copy: bool = False  # copy drafts cost no drafter steps and keep an acceptance of their own
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one stream's window did in the round."""
+
+    offered: int  # drafts its window carried
+    accepted: int  # of those, the prefix the target's draws kept
+    committed: int  # tokens committed (accepted + 1, fewer at a stop)
+
+
+@dataclass
+class _Lane:
+    """A stream's acceptance and stand-aside for one kind of draft (copy or drafter)."""
+
+    acceptance: Acceptance
+    aside: StandAside = field(default_factory=StandAside)
+
+
+@dataclass
+class _Round:
+    """What `plan` decided, kept for `observe`; times in ms."""
+
+    asks: Sequence[Ask]
+    depths: list[int]
+    consulted: list[bool]  # which streams' stand-aside was asked, so only those count the round
+    drafted: bool
+    measured: bool
+    start: float | None
+    proposed: float | None = None
+
+
+class DraftPlanner:
+    """The engine's one handle on drafting: plan, proposed, observe each round; leave when a stream ends."""
+
+    def __init__(self, *, timed: bool = True, clock: Callable[[], float] = time.perf_counter,
+                 prior: float = PRIOR_ACCEPTANCE):
+        # untimed, the clock is never read: costs keep their priors and no guard is consulted, so decisions
+        # follow acceptance alone; `clock` returns seconds, and costs and rates are kept in ms
+        self.timed, self._clock = timed, clock
+        self.costs = Costs()
+        self.shared = SharedGuard()
+        self.lone = LoneGuard()
+        self._prior = Acceptance(prior)
+        self._lanes: dict[tuple[int, bool], _Lane] = {}
+        self._round: _Round | None = None
+
+    def _now(self) -> float | None:
+        return self._clock() * 1000.0 if self.timed else None
+
+    def _lane(self, stream_id: int, copy: bool) -> _Lane:
+        """A stream's acceptance and stand-aside for one kind of draft."""
+        key = (stream_id, copy)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(Acceptance(self._prior.prior))
+        return lane
+
+    def _drafted(self, asks: Sequence[Ask]) -> bool:
+        if not self.timed:  # an untimed engine never consults the guards
+            return True
+        if len(asks) >= 2:
+            return self.shared.drafted(len(asks))
+        if len(asks) == 1 and not asks[0].copy:  # copy drafts cost no steps: the depth rule alone prices them
+            ask = asks[0]
+            return self.lone.drafted(ask.stream_id, LoneGuard.band(ask.greedy, ask.context))
+        return True
+
+    def plan(self, asks: Sequence[Ask], extra_rows: int = 0) -> list[int]:
+        """Before proposing: each ask's depth for the next round (`extra_rows`: its rows without drafts)."""
+        start = self._now()
+        lanes = [self._lane(a.stream_id, a.copy) for a in asks]
+        drafted = self._drafted(asks)
+        depths, consulted = [0] * len(asks), [False] * len(asks)
+        if drafted:
+            if len(asks) == 1 and not extra_rows:
+                priced = [lone_depth(lanes[0].acceptance, self.costs, asks[0].max_depth, not asks[0].copy)]
+            else:
+                priced = shared_depths([lane.acceptance for lane in lanes], self.costs,
+                                       [a.max_depth for a in asks], [not a.copy for a in asks], extra_rows)
+            for i, (ask, lane) in enumerate(zip(asks, lanes)):
+                if ask.max_depth <= 0:
+                    continue
+                # a probe drafts what a new stream would: the depth the prior prices, at least one
+                probe = max(1, lone_depth(self._prior, self.costs, ask.max_depth, not ask.copy))
+                depths[i] = min(lane.aside.depth(priced[i], probe), ask.max_depth)
+                consulted[i] = True
+        # a round carrying a prompt chunk or no decoding stream tells neither mode's rate
+        self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start)
+        return depths
+
+    def proposed(self) -> None:
+        """After proposing: what passed since `plan` was the drafter's chain."""
+        if self._round is not None:
+            self._round.proposed = self._now()
+
+    def observe(self, verified: Sequence[Verified]) -> None:
+        """After committing: `verified[i]` is what the window of the i-th planned ask did."""
+        done, self._round = self._round, None
+        if done is None:
+            return
+        for ask, result, consulted in zip(done.asks, verified, done.consulted):
+            lane = self._lanes.get((ask.stream_id, ask.copy))
+            if lane is None:  # it left during the round
+                continue
+            lane.acceptance.observe(result.offered, result.accepted)
+            if consulted:
+                lane.aside.round(result.offered)
+        if self.timed:
+            self._time(done, verified, self._now())
+
+    def _time(self, done: _Round, verified: Sequence[Verified], end: float) -> None:
+        steps = max((d for a, d in zip(done.asks, done.depths) if not a.copy), default=0)
+        if done.proposed is not None and steps:
+            self.costs.observe_steps(steps, done.proposed - done.start)
+        forward_start = done.proposed if done.proposed is not None else done.start
+        lone = done.measured and len(done.asks) == 1
+        if lone:  # shared rounds pay per-stream costs a lone round's line must not learn
+            self.costs.observe_round(1 + verified[0].offered, end - forward_start)
+        tokens, ms = sum(v.committed for v in verified), end - done.start
+        # a drafted round whose windows held no drafts is a plain one in disguise: it tells neither rate
+        told = done.measured and (not done.drafted or any(v.offered for v in verified))
+        if told and len(done.asks) >= 2:
+            self.shared.observe(len(done.asks), done.drafted, tokens, ms)
+        else:
+            self.shared.interrupt()
+        if told and lone and not done.asks[0].copy:
+            ask = done.asks[0]
+            self.lone.observe(ask.stream_id, LoneGuard.band(ask.greedy, ask.context), done.drafted, tokens, ms)
+        else:
+            self.lone.interrupt()
+
+    def leave(self, stream_id: int) -> None:
+        """The stream ended: forget its acceptance and stand-aside (its band keeps the lone guard's verdict)."""
+        self._lanes.pop((stream_id, False), None)
+        self._lanes.pop((stream_id, True), None)
