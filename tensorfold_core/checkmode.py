@@ -7,34 +7,64 @@ import time
 from .lanes.engine import Engine
 from .lanes.stream import Stream
 from .lanes.types import DoneEvent, GenerationRequest, TokenEvent
+from .errors import OptionError
 from .options import ServeOptions
 
 
+def parse_draft(value: str | None) -> tuple[str, int] | None:
+    """`DRAFTER,N` into (drafter, depth)."""
+    if value is None:
+        return None
+    name, _, depth = value.rpartition(",")
+    if not name or not depth.isdigit() or not 1 <= int(depth) <= 15:
+        raise OptionError(f"--draft {value}: expected DRAFTER,N with N from 1 to 15")
+    return name, int(depth)
+
+
+def decode(engine: Engine, request: GenerationRequest, capacity: int) -> tuple[list[int], list[dict], DoneEvent]:
+    """One stream through `engine` to its end: token ids, per-round stats, and its done event."""
+    events = []
+    stream = Stream(id=1, request=request, cache=engine.model.new_cache(capacity), on_event=events.append,
+                    limit=capacity)
+    engine.add(stream)
+    rounds, token_ids = [], []
+    while not engine.idle():
+        start = time.perf_counter()
+        seen, drafted, accepted = len(events), stream.stats.drafted, stream.stats.accepted
+        engine.round()
+        new = [t for e in events[seen:] if isinstance(e, TokenEvent) for t in e.token_ids]
+        token_ids += new
+        rounds.append({"tokens": len(new), "drafted": stream.stats.drafted - drafted,
+                       "kept": stream.stats.accepted - accepted,
+                       "ms": round((time.perf_counter() - start) * 1000, 3)})
+    return token_ids, rounds, next(e for e in events if isinstance(e, DoneEvent))
+
+
 def check_run(model: str, prompt: str, *, max_tokens: int = 64, chat: bool = False, dtype: str = "auto",
-              progress=lambda stage: None) -> dict:
-    """Decode `prompt` greedily and report text, token ids and per-round stats."""
+              draft: str | None = None, progress=lambda stage: None) -> dict:
+    """Decode `prompt` greedily (through a drafter's windows with --draft) and report tokens and rounds."""
+    from .drafting import start_drafter
     from .host import load_target
 
+    drafting = parse_draft(draft)
     name, loaded, tokenizer, ckpt, probe = load_target(model, ServeOptions(dtype=dtype), progress)
     prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
                   else tokenizer.encode(prompt))
     context = int(ckpt.config.get("max_position_embeddings") or 8192)
     request = GenerationRequest(prompt_ids=prompt_ids, max_tokens=min(max_tokens, context - len(prompt_ids)),
                                 stop_token_ids=frozenset(tokenizer.eos_ids))
-    events = []
-    engine = Engine(loaded, shared_rounds=probe.get("row_invariant", False))
-    cache = loaded.new_cache(len(prompt_ids) + request.max_tokens)
-    engine.add(Stream(id=1, request=request, cache=cache, on_event=events.append,
-                      limit=len(prompt_ids) + request.max_tokens))
-    rounds, token_ids = [], []
-    while not engine.idle():
-        start = time.perf_counter()
-        seen = len(events)
-        engine.round()
-        new = [t for e in events[seen:] if isinstance(e, TokenEvent) for t in e.token_ids]
-        token_ids += new
-        rounds.append({"tokens": len(new), "ms": round((time.perf_counter() - start) * 1000, 3)})
-    done = next(e for e in events if isinstance(e, DoneEvent))
+    capacity = len(prompt_ids) + request.max_tokens
+    plain = Engine(loaded, shared_rounds=probe.get("row_invariant", False), copy_drafts=False)
+    token_ids, rounds, done = decode(plain, request, capacity)
+    result = {}
+    if drafting is not None:
+        drafter = start_drafter(drafting[0], None, loaded, tokenizer, dtype=dtype)
+        engine = Engine(loaded, shared_rounds=probe.get("row_invariant", False), drafter=drafter,
+                        fixed_depth=drafting[1], copy_drafts=False)
+        drafted_ids, drafted_rounds, drafted_done = decode(engine, request, capacity)
+        result = {"drafter": drafting[0], "depth": drafting[1], "plain_token_ids": token_ids,
+                  "equal_to_plain": drafted_ids == token_ids, "plain_rounds": len(rounds)}
+        token_ids, rounds, done = drafted_ids, drafted_rounds, drafted_done
     decode_rounds = [r for r in rounds if r["tokens"]]
     decode_ms = sum(r["ms"] for r in decode_rounds[1:])
     return {
@@ -47,4 +77,5 @@ def check_run(model: str, prompt: str, *, max_tokens: int = 64, chat: bool = Fal
         "rounds": rounds,
         "decode_tokens_per_s": round(1000 * (len(token_ids) - 1) / decode_ms, 2) if decode_ms else None,
         "row_invariance": probe,
+        **result,
     }

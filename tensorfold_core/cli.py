@@ -114,15 +114,25 @@ def serve(model, **values):
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template as a user message.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Float dtype of the weights and activations.")
-def run(model, prompt, max_tokens, as_json, chat, dtype):
+@click.option("--draft", metavar="DRAFTER,N", help="Also decode through DRAFTER's windows of N drafts and "
+              "state whether the tokens equal the plain greedy ones.")
+def run(model, prompt, max_tokens, as_json, chat, dtype, draft):
     """Greedy check mode: decode PROMPT with MODEL and print the text (or JSON with per-round stats)."""
     from .checkmode import check_run
 
-    result = check_run(model, prompt, max_tokens=max_tokens, chat=chat, dtype=dtype, progress=_progress())
+    result = check_run(model, prompt, max_tokens=max_tokens, chat=chat, dtype=dtype, draft=draft,
+                       progress=_progress())
     if as_json:
         click.echo(json.dumps(result))
-    else:
-        click.echo(result["text"])
+        return
+    click.echo(result["text"])
+    if draft:
+        kept = sum(r["kept"] for r in result["rounds"])
+        offered = sum(r["drafted"] for r in result["rounds"])
+        verdict = "EQUAL to" if result["equal_to_plain"] else "DIFFERENT from"
+        click.echo(f"{len(result['token_ids'])} tokens in {len(result['rounds'])} rounds "
+                   f"(plain: {result['plain_rounds']}); drafts kept {kept} of {offered}; "
+                   f"tokens {verdict} the plain greedy tokens", err=True)
 
 
 @main.command()

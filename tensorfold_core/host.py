@@ -35,7 +35,7 @@ class Host:
     """Owns the model and the one thread that runs MLX; the server talks to it through submit and cancel."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, options: ServeOptions, *, model_id: str,
-                 context: int, info: dict | None = None, start: bool = True):
+                 context: int, info: dict | None = None, drafter=None, start: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
@@ -44,7 +44,9 @@ class Host:
         self.info = dict(info or {})
         self._capabilities = capabilities(options, extra={"model": model_id, "context": context, **self.info})
         shared = self.info.get("row_invariance", {}).get("row_invariant", True)
-        self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared)
+        self.drafter = drafter
+        self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared, drafter=drafter,
+                             timed=True)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Stream] = deque()
@@ -137,6 +139,8 @@ class Host:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self.drafter is not None and hasattr(self.drafter, "close"):
+            self.drafter.close()
 
 
 def capabilities(options: ServeOptions, extra: dict | None = None) -> dict:
@@ -179,12 +183,20 @@ def load_target(model: str | None, options: ServeOptions, progress: Callable[[st
 
 def load_host(model: str | None, options: ServeOptions,
               progress: Callable[[str], None] = lambda stage: None) -> Host:
-    """Load the target and start the engine thread over it."""
+    """Load the target and its drafter, and start the engine thread over them."""
+    from .drafting import drafter_name, start_drafter
+
     name, loaded, tokenizer, ckpt, probe = load_target(model, options, progress)
+    drafter, draft_name = None, drafter_name(name, options.drafter)
     if not probe.get("row_invariant", False):
-        log.warning("backend is not row-invariant (%s): each stream runs its own forward", probe.get("detail"))
+        log.warning("backend is not row-invariant (%s): each stream runs its own forward, undrafted",
+                    probe.get("detail"))
+    elif draft_name is not None:
+        progress(f"starting drafter {draft_name}")
+        drafter = start_drafter(draft_name, options.drafter_bits, loaded, tokenizer, dtype=options.dtype)
     max_positions = int(ckpt.config.get("max_position_embeddings") or DEFAULT_CONTEXT_CAP)
     context = options.context or min(max_positions, DEFAULT_CONTEXT_CAP)
     model_id = options.model_name or name
-    info = {"row_invariance": probe, "checkpoint": str(ckpt.path), "model_type": ckpt.model_type}
-    return Host(loaded, tokenizer, options, model_id=model_id, context=context, info=info)
+    info = {"row_invariance": probe, "checkpoint": str(ckpt.path), "model_type": ckpt.model_type,
+            "drafter": draft_name if drafter is not None else None}
+    return Host(loaded, tokenizer, options, model_id=model_id, context=context, info=info, drafter=drafter)

@@ -9,6 +9,7 @@ import numpy as np
 from ..protocols import DraftAsk, Model, Proposer
 from ..sampling import draw_rows
 from .copy import CopyProposer
+from .guards import Ask, DraftPlanner, Verified
 from .stream import Stream
 from .types import ErrorEvent
 
@@ -38,7 +39,8 @@ class Engine:
     """Runs rounds over admitted streams; single-threaded, so it can run in a thread or inline."""
 
     def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
-                 drafter: Proposer | None = None, max_depth: int = MAX_DEPTH):
+                 drafter: Proposer | None = None, max_depth: int = MAX_DEPTH, timed: bool = False,
+                 fixed_depth: int | None = None, copy_drafts: bool = True):
         self.model = model
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
@@ -46,6 +48,11 @@ class Engine:
         self.copy = CopyProposer()
         self.drafter = drafter
         self.max_depth = max_depth
+        # untimed (tests, check mode) the depths follow acceptance alone; a server prices by measured costs
+        self.planner = DraftPlanner(timed=timed)
+        self.fixed_depth = fixed_depth  # check mode: every window carries this many drafter drafts, unpriced
+        self.copy_drafts = copy_drafts
+        self._asked: list[Turn] = []
         self.streams: dict[int, Stream] = {}
         self.rounds = 0
 
@@ -84,15 +91,33 @@ class Engine:
         return turns
 
     def _propose(self, turns: list[Turn]) -> None:
-        asks = {id(t): DraftAsk(t.stream.id, t.stream.tokens, self.depth_for(t.stream)) for t in turns}
-        wanting = [t for t in turns if asks[id(t)].depth > 0]
-        for turn, drafts in zip(wanting, self.copy.propose([asks[id(t)] for t in wanting])):
-            turn.drafts, turn.source = drafts, "copy"
-        rest = [t for t in wanting if not t.drafts]
-        if self.drafter is not None and rest:
-            for turn, drafts in zip(rest, self.drafter.propose([asks[id(t)] for t in rest])):
-                turn.drafts, turn.source = list(drafts)[:asks[id(turn)].depth], self.drafter.name
-        for turn in wanting:
+        """Copies first (free), the drafter for the rest; the planner prices every drawing window's depth."""
+        self._asked = [t for t in turns if t.draws] if self.shared_rounds else []
+        if not self._asked:
+            return
+        rooms = [self.depth_for(t.stream) for t in self._asked]
+        copies = self.copy.propose([DraftAsk(t.stream.id, t.stream.tokens, room if self.copy_drafts else 0)
+                                    for t, room in zip(self._asked, rooms)])
+        asks = [Ask(t.stream.id, len(copy) or (room if self.drafter is not None else 0), len(t.stream.tokens),
+                    t.stream.request.sampling.greedy, copy=bool(copy))
+                for t, room, copy in zip(self._asked, rooms, copies)]
+        extra_rows = sum(len(t.window) for t in turns if t.stream.prefilling)
+        if self.fixed_depth is None:
+            depths = self.planner.plan(asks, extra_rows=extra_rows)
+        else:
+            depths = [min(self.fixed_depth, ask.max_depth) for ask in asks]
+        drafting = []
+        for turn, ask, copy, depth in zip(self._asked, asks, copies, depths):
+            if depth > 0 and ask.copy:
+                turn.drafts, turn.source = copy[:depth], "copy"
+            elif depth > 0:
+                drafting.append((turn, depth))
+        if drafting:
+            proposals = self.drafter.propose([DraftAsk(t.stream.id, t.stream.tokens, d) for t, d in drafting])
+            for (turn, depth), drafts in zip(drafting, proposals):
+                turn.drafts, turn.source = list(drafts)[:depth], self.drafter.name
+        self.planner.proposed()
+        for turn in self._asked:
             turn.window = turn.window + turn.drafts
 
     def round(self) -> bool:
@@ -103,12 +128,17 @@ class Engine:
         if not turns:
             return False
         groups = [turns] if self.shared_rounds else [[turn] for turn in turns]
+        verified = {}
         for group in groups:
-            self._run(group)
+            verified.update(self._run(group))
+        if self._asked and self.fixed_depth is None:
+            self.planner.observe([verified.get(id(t), Verified(len(t.drafts), 0, 0)) for t in self._asked])
         self.rounds += 1
         return True
 
-    def _run(self, group: list[Turn]) -> None:
+    def _run(self, group: list[Turn]) -> dict:
+        """One forward for the group's windows; returns what each drawing window verified."""
+        verified = {}
         try:
             logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
                                         [1 + len(t.drafts) if t.draws else 0 for t in group])
@@ -117,7 +147,7 @@ class Engine:
             for turn in group:
                 turn.stream.emit(ErrorEvent(error=exc))
                 self._forget(turn.stream)
-            return
+            return verified
         row = 0
         for turn in group:
             stream = turn.stream
@@ -131,9 +161,12 @@ class Engine:
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
             self.model.keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
             self._count(turn, accepted)
+            before = len(stream.tokens)
             stream.emit_tokens(stream.commit(draws[:accepted + 1]))
+            verified[id(turn)] = Verified(len(turn.drafts), accepted, len(stream.tokens) - before)
             if stream.finish_reason:
                 self._leave(stream)
+        return verified
 
     def _count(self, turn: Turn, accepted: int) -> None:
         stats = turn.stream.stats
@@ -146,6 +179,7 @@ class Engine:
     def _forget(self, stream: Stream) -> None:
         self.streams.pop(stream.id, None)
         self.copy.release(stream.id)
+        self.planner.leave(stream.id)
         if self.drafter is not None:
             self.drafter.release(stream.id)
 
