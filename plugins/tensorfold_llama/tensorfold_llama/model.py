@@ -199,6 +199,12 @@ class KVCache:
         pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
         self.keys, self.values = [pad(a) for a in self.keys], [pad(a) for a in self.values]
 
+    def trim(self, tokens: int) -> None:
+        """Keep only the first `tokens` committed tokens (a drafter slot cut back to its context's prefix)."""
+        if not 0 <= tokens <= self.offset or self.window is not None:
+            raise ValueError(f"cannot trim a cache of {self.offset} tokens (window {self.window}) to {tokens}")
+        self.offset = tokens
+
     def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store the window's keys and values at offset..; return every key and value up to its last row."""
         end = self.offset + k.shape[2]
@@ -237,29 +243,38 @@ class Model(nn.Module):
                 logit_rows: Sequence[int]) -> mx.array:
         if not len(caches) == len(windows) == len(logit_rows):
             raise ValueError(f"{len(caches)} caches, {len(windows)} windows, {len(logit_rows)} logit_rows")
+        for window, rows in zip(windows, logit_rows):
+            if len(window) == 0 or not 0 <= rows <= len(window):
+                raise ValueError(f"a window of {len(window)} rows cannot give {rows} logit rows")
+        tokens = [token for window in windows for token in window]
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}, got {min(tokens)}..{max(tokens)}")
+        return self._forward_ids(caches, mx.array(tokens, dtype=mx.uint32), [len(w) for w in windows], logit_rows)
+
+    def _forward_ids(self, caches: Sequence[KVCache], ids: mx.array, lengths: Sequence[int],
+                     logit_rows: Sequence[int], commit: bool = False) -> mx.array:
+        """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         if len({id(cache) for cache in caches}) < len(caches):
             raise ValueError("a cache appears twice in one forward")
-        spans, tokens, pick = [], [], []
-        for cache, window, rows in zip(caches, windows, logit_rows):
-            n = len(window)
-            if n == 0 or not 0 <= rows <= n:
-                raise ValueError(f"a window of {n} rows cannot give {rows} logit rows")
+        spans, pick, start = [], [], 0
+        for cache, n, rows in zip(caches, lengths, logit_rows):
             if cache.window is not None:
                 raise ValueError("keep() the cache's last window before its next forward")
             cache.reserve(n)
-            spans.append(Span(len(tokens), n, cache, attention_mask(cache.offset, n, self.args.sliding_window)))
-            pick.extend(range(len(tokens) + n - rows, len(tokens) + n))
-            tokens.extend(window)
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}, got {min(tokens)}..{max(tokens)}")
-        h = self.model.embed_tokens(mx.array(tokens, dtype=mx.uint32))
+            spans.append(Span(start, n, cache, attention_mask(cache.offset, n, self.args.sliding_window)))
+            pick.extend(range(start + n - rows, start + n))
+            start += n
+        h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, spans, i)
-        for span in spans:
-            span.cache.window = span.n
+        for span in spans:  # offsets were read while the graph was built, so they may move now
+            if commit:
+                span.cache.offset += span.n
+            else:
+                span.cache.window = span.n
         if not pick:
             return mx.zeros((0, self.vocab_size), mx.float32)
-        h = self.model.norm(h[mx.array(pick)] if len(pick) < len(tokens) else h)  # row-wise: select rows first
+        h = self.model.norm(h[mx.array(pick)] if len(pick) < start else h)  # row-wise: select rows first
         out = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
         return out.astype(mx.float32)
 

@@ -1,11 +1,11 @@
-"""The llama plugin's hooks: the llama family and the tiny checkpoints shipped with it."""
+"""The llama plugin's hooks: the llama family, the llama drafter and the tiny checkpoints shipped with it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from tensorfold_core import hookimpl
-from tensorfold_core.specs import Family, ShippedModel
+from tensorfold_core.specs import DrafterKind, Family, ShippedModel
 
 MODELS = Path(__file__).parent / "models"
 
@@ -33,3 +33,21 @@ SHIPPED = [
 @hookimpl
 def tensorfold_models():
     return [ShippedModel(path=MODELS / spec["name"], **spec) for spec in SHIPPED if (MODELS / spec["name"]).is_dir()]
+
+
+def _drafter_call(name: str):
+    """A DrafterKind callable that imports the drafter (and mlx) only when a drafter is asked for."""
+
+    def call(*args, **kwargs):
+        from . import drafter
+
+        return getattr(drafter, name)(*args, **kwargs)
+
+    return call
+
+
+@hookimpl
+def tensorfold_drafters():
+    return [DrafterKind(name="llama", matches=_drafter_call("matches"), admit=_drafter_call("admit"),
+                        start=_drafter_call("start"),
+                        description="a smaller llama on the target's tokenizer drafting greedy chains")]
