@@ -27,4 +27,5 @@ def start_drafter(name: str, bits: int | None, target_model, target_tokenizer, *
                            f"(drafter kinds: {known})")
     kind = kinds[0]
     kind.admit(target_tokenizer, target_model, ckpt, bits)
-    return kind.start(target_model, ckpt, {"dtype": dtype, "max_depth": max_depth})
+    options = {"dtype": dtype, "max_depth": max_depth, "eos_ids": frozenset(target_tokenizer.eos_ids)}
+    return kind.start(target_model, ckpt, options)

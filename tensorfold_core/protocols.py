@@ -40,6 +40,7 @@ class Model(Protocol):
         """Commit the first `rows` rows of the last window run on `cache` and drop the rest."""
 
 
+@runtime_checkable
 class Proposer(Protocol):
     """Gives streams drafts to verify: the core's copy proposer, or a drafter from a plugin."""
 

@@ -56,3 +56,43 @@ def tiny_llama_checkpoint(path: Path, seed: int = 0, dtype: str = "float32", **o
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, vocab_size=min(config.vocab_size, 384))
     return path
+
+
+def truncated_drafter(target: Path, path: Path, layers: int = 1, vocab_size: int = 448) -> Path:
+    """A drafter cut from a target's first layers, its vocab padded wider, on the same tokenizer files."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    target, path = Path(target), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    old_vocab = config["vocab_size"]
+    config.update(num_hidden_layers=layers, vocab_size=vocab_size)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    weights = {}
+    for name, tensor in load_file(str(target / "model.safetensors")).items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+            continue
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            import numpy as np
+
+            tensor = np.concatenate([tensor, np.zeros((vocab_size - old_vocab, tensor.shape[1]), tensor.dtype)])
+        weights[name] = tensor
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).exists():
+            shutil.copy(target / name, path / name)
+    return path
+
+
+def mlx_quantized_copy(source: Path, path: Path, bits: int = 4, group_size: int = 64) -> Path:
+    """mlx-lm's own affine conversion of a checkpoint, with the source's tokenizer files kept byte-identical."""
+    import shutil
+
+    from mlx_lm import convert
+
+    convert(str(source), mlx_path=str(path), quantize=True, q_bits=bits, q_group_size=group_size)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(source) / name, Path(path) / name)
+    return Path(path)
