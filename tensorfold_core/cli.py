@@ -75,12 +75,22 @@ def _coerce(values: dict) -> dict:
     return out
 
 
+LOAD_STAGES = ("resolving", "loading weights", "probing row invariance", "starting drafter", "ready")
+
+
 def _progress():
-    """A progress line per loading stage on a terminal; silent otherwise."""
+    """A progress bar over the loading stages on a terminal; silent otherwise."""
     if not sys.stderr.isatty():
         return lambda stage: None
-    start = time.monotonic()
-    return lambda stage: click.echo(f"\r[{time.monotonic() - start:5.1f}s] {stage}…", err=True)
+    start, width = time.monotonic(), 24
+
+    def show(stage: str) -> None:
+        known = next((i for i, s in enumerate(LOAD_STAGES) if stage.startswith(s)), len(LOAD_STAGES) - 2)
+        filled = width * (known + 1) // len(LOAD_STAGES)
+        click.echo(f"\r[{'#' * filled}{'.' * (width - filled)}] {time.monotonic() - start:5.1f}s {stage:<40}",
+                   err=True, nl=stage == "ready")
+
+    return show
 
 
 @click.group(cls=Cli)
@@ -98,7 +108,9 @@ def serve(model, **values):
     from .server import serve as run_server
 
     options = _options(**values)
-    host = load_host(model, options, progress=_progress())
+    progress = _progress()
+    host = load_host(model, options, progress=progress)
+    progress("ready")
     try:
         run_server(host, options.host, options.port)
     finally:

@@ -170,6 +170,7 @@ def load_target(model: str | None, options: ServeOptions, progress: Callable[[st
     from .plugins import registry
     from .specs import LoadOptions
 
+    progress("resolving")
     name = model or registry().default_model().name
     shipped = registry().shipped(name)
     if shipped is not None and shipped.role == "drafter":
