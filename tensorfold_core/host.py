@@ -16,6 +16,9 @@ from .errors import RequestError
 from .lanes.engine import Engine
 from .lanes.stream import Stream
 from .lanes.types import DoneEvent, GenerationRequest
+from .memory.admission import Admission
+from .memory.ledger import GIB, Ledger, default_budget
+from .memory.prompt_cache import PromptCache
 from .options import ServeOptions
 from .protocols import Model
 from .tokenizer import Tokenizer
@@ -42,11 +45,19 @@ class Host:
         self.model_id = model_id
         self.context = context
         self.info = dict(info or {})
-        self._capabilities = capabilities(options, extra={"model": model_id, "context": context, **self.info})
         shared = self.info.get("row_invariance", {}).get("row_invariant", True)
         self.drafter = drafter
+        budget = int(options.memory_gib * GIB) if options.memory_gib else default_budget()
+        self.ledger = Ledger(budget)
+        prompt_cache = PromptCache(self.ledger, int(options.prompt_cache_gib * GIB))
+        self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=shared)
         self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared, drafter=drafter,
-                             timed=True)
+                             timed=True, on_leave=self.admission.leave,
+                             on_mark=self.admission.keep)
+        memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
+                  "prompt_cache_resumes": shared}
+        self._capabilities = capabilities(options, extra={"model": model_id, "context": context,
+                                                          "memory": memory, **self.info})
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Stream] = deque()
@@ -71,6 +82,11 @@ class Host:
                                param="prompt")
         if request.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        self.admission.check(self.limit(request))
+
+    def limit(self, request: GenerationRequest) -> int:
+        """Most tokens the stream may hold: prompt + max_tokens, within the context."""
+        return min(self.context, len(request.prompt_ids) + request.max_tokens)
 
     def submit(self, request: GenerationRequest, on_event: Callable) -> Ticket:
         self.validate(request)
@@ -83,10 +99,6 @@ class Host:
         self._inbox.put(("cancel", ticket.id, None, None))
         self._wake.set()
 
-    def _new_stream(self, stream_id: int, request: GenerationRequest, on_event: Callable) -> Stream:
-        limit = min(self.context, len(request.prompt_ids) + request.max_tokens)
-        cache = self.model.new_cache(limit)
-        return Stream(id=stream_id, request=request, cache=cache, on_event=on_event, limit=limit)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -107,9 +119,17 @@ class Host:
                 self.engine.cancel(stream_id)
 
     def _admit(self) -> None:
+        """First come, first served: a stream that does not fit waits, and so do those behind it."""
         while self._waiting and len(self.engine.streams) < self.options.parallel:
-            stream_id, request, on_event = self._waiting.popleft()
-            self.engine.add(self._new_stream(stream_id, request, on_event))
+            stream_id, request, on_event = self._waiting[0]
+            limit = self.limit(request)
+            admitted = self.admission.admit(stream_id, request.prompt_ids, limit)
+            if admitted is None:
+                return
+            self._waiting.popleft()
+            cache, cached_tokens = admitted
+            self.engine.add(Stream(id=stream_id, request=request, cache=cache, on_event=on_event, limit=limit,
+                                   cached_tokens=cached_tokens))
 
     def _loop(self) -> None:
         while not self._closed:
@@ -129,7 +149,7 @@ class Host:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "streams": len(self.engine.streams),
-                "queued": self.queued(), "rounds": self.engine.rounds}
+                "queued": self.queued(), "rounds": self.engine.rounds, "memory": self.admission.snapshot()}
 
     def capabilities(self) -> dict:
         return self._capabilities  # worked out at load: MLX is touched only by the loading and engine threads

@@ -24,6 +24,10 @@ class ServeOptions(BaseModel):
     drafter_bits: Literal[0, 4, 8] | None = Field(None, description="Width of the drafter checkpoint: 4 or 8 "
                                                   "(MLX affine, read in place) or 0 (float); default: whatever "
                                                   "it holds.")
+    memory_gib: float | None = Field(None, gt=0, description="The one byte budget for stream caches, drafter "
+                                     "slots and kept prompt states (default: half the machine's memory).")
+    prompt_cache_gib: float = Field(1.0, ge=0, description="Most bytes kept prompt states may hold (0 turns "
+                                    "the prompt cache off).")
     model_name: str | None = Field(None, description="Name the model is served under in /v1/models.")
 
     @classmethod

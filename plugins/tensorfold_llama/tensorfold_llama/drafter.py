@@ -217,6 +217,10 @@ class LlamaDrafter:
         """Bytes the live streams' slots hold."""
         return sum(self.model.cache_bytes(s.cache.capacity) for s in self.slots.values())
 
+    def slot_bytes_for(self, tokens: int) -> int:
+        """Bytes one stream's slot holds at most for a stream of `tokens` (the ledger reserves this at admission)."""
+        return self.model.cache_bytes(_round_up(tokens + self.max_depth))
+
     def kept_bytes(self) -> int:
         """Bytes the kept (released) slots hold: they give way first when room is needed."""
         return sum(self.model.cache_bytes(s.cache.capacity) for s in self.kept)

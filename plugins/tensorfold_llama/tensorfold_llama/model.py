@@ -235,6 +235,32 @@ class Model(nn.Module):
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity, self.dtype)
 
+    trimmable = True  # a KV cache's state serves any prefix of its tokens
+
+    def snapshot(self, cache: KVCache) -> dict:
+        """A standalone copy of the committed tokens' keys and values (a kept prompt state)."""
+        n = cache.offset
+        keys = [mx.contiguous(k[..., :n, :]) for k in cache.keys]
+        values = [mx.contiguous(v[..., :n, :]) for v in cache.values]
+        mx.eval(keys, values)
+        return {"tokens": n, "keys": keys, "values": values}
+
+    def restore(self, state: dict, capacity: int, tokens: int | None = None) -> KVCache:
+        """A new cache holding the first `tokens` of a kept state."""
+        n = state["tokens"] if tokens is None else tokens
+        if not 0 <= n <= min(state["tokens"], capacity):
+            raise ValueError(f"cannot restore {n} tokens of a state of {state['tokens']} into capacity {capacity}")
+        cache = self.new_cache(capacity)
+        for layer in range(len(cache.keys)):
+            cache.keys[layer][..., :n, :] = state["keys"][layer][..., :n, :]
+            cache.values[layer][..., :n, :] = state["values"][layer][..., :n, :]
+        cache.offset = n
+        mx.eval(cache.keys, cache.values)
+        return cache
+
+    def state_bytes(self, state: dict) -> int:
+        return sum(a.nbytes for a in state["keys"] + state["values"])
+
     def cache_bytes(self, tokens: int) -> int:
         a = self.args
         return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * (tokens + WINDOW_SLACK) * self.dtype.size

@@ -1,0 +1,95 @@
+"""Admission against the one ledger: price a stream, make room, resume a kept prefix, give bytes back."""
+
+from __future__ import annotations
+
+from ..errors import RequestError
+from .ledger import GIB, Ledger
+from .prompt_cache import PromptCache
+
+
+class Admission:
+    """Every cache the host makes or keeps is reserved here first; what does not fit waits."""
+
+    def __init__(self, model, ledger: Ledger, prompt_cache: PromptCache | None, drafter=None,
+                 resume: bool = True):
+        self.model = model
+        self.ledger = ledger
+        self.prompt_cache = prompt_cache
+        self.drafter = drafter
+        self.resume = resume  # resuming changes a stream's windows, so it needs row invariance
+        self.waits = 0  # admissions that had to wait for room
+
+    def slot_bytes(self, limit: int) -> int:
+        return self.drafter.slot_bytes_for(limit) if self.drafter is not None else 0
+
+    def price(self, limit: int) -> int:
+        """Bytes a stream of `limit` tokens holds: its cache and its drafter slot."""
+        return self.model.cache_bytes(limit) + self.slot_bytes(limit)
+
+    def check(self, limit: int) -> None:
+        """Refuse at once a stream that could never fit, even alone in an empty budget."""
+        need = self.price(limit)
+        if need > self.ledger.budget:
+            raise RequestError(
+                f"this request needs {need / GIB:.3f} GiB of cache for {limit} tokens (prompt + max_tokens), "
+                f"more than the whole memory budget of {self.ledger.budget / GIB:.3f} GiB; lower max_tokens",
+                param="max_tokens", code="memory_budget_exceeded")
+
+    def _make_room(self, need: int) -> bool:
+        """Kept states, then kept drafter slots, give way; True when `need` bytes are free."""
+        if self.ledger.free() >= need:
+            return True
+        if self.prompt_cache is not None:
+            self.prompt_cache.shed(need)
+        if self.ledger.free() < need and self.drafter is not None:
+            self.drafter.shed_kept(need - self.ledger.free())
+            self._sync_kept_slots()
+        return self.ledger.free() >= need
+
+    def admit(self, stream_id: int, prompt: list[int], limit: int):
+        """A cache for the stream (resumed from the longest kept prefix) and its cached tokens; None: wait."""
+        cache_bytes, slot_bytes = self.model.cache_bytes(limit), self.slot_bytes(limit)
+        if not self._make_room(cache_bytes + slot_bytes):
+            self.waits += 1
+            return None
+        self.ledger.reserve(("stream", stream_id), "stream_cache", cache_bytes)
+        if slot_bytes:
+            self.ledger.reserve(("slot", stream_id), "drafter_slot", slot_bytes)
+        kept, usable = (None, 0)
+        if self.resume and self.prompt_cache is not None:
+            kept, usable = self.prompt_cache.lookup(prompt)
+        if kept is not None:
+            return self.model.restore(kept.state, limit, usable), usable
+        return self.model.new_cache(limit), 0
+
+    def leave(self, stream, kept: bool) -> None:
+        """Give a stream's bytes back; keep its state (and its drafter slot) for later requests."""
+        self.ledger.release(("stream", stream.id))
+        self.ledger.release(("slot", stream.id))
+        self._sync_kept_slots()
+        if kept and stream.cache.offset > 0:
+            self.keep(stream)
+
+    def keep(self, stream) -> None:
+        """Keep the stream's state at its cache's offset, if the prompt cache has room."""
+        if not (self.resume and self.prompt_cache is not None and self.prompt_cache.cap_bytes):
+            return
+        state = self.model.snapshot(stream.cache)
+        nbytes = self.model.state_bytes(state)
+        self.prompt_cache.keep(stream.tokens[:stream.cache.offset], state, nbytes,
+                               getattr(self.model, "trimmable", True))
+
+    def _sync_kept_slots(self) -> None:
+        """Kept drafter slots sit in the ledger as one entry, resized as slots are kept or shed."""
+        if self.drafter is None:
+            return
+        kept = self.drafter.kept_bytes()
+        if not self.ledger.reserve(("drafter", "kept"), "kept_drafter_slots", kept):
+            self.drafter.shed_kept(None)
+            self.ledger.release(("drafter", "kept"))
+
+    def snapshot(self) -> dict:
+        out = {**self.ledger.snapshot(), "waits": self.waits}
+        if self.prompt_cache is not None:
+            out["prompt_cache"] = self.prompt_cache.snapshot()
+        return out

@@ -1,0 +1,105 @@
+"""Kept prompt states: finished streams' caches, keyed by their tokens, resumed by the longest prefix."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ledger import Ledger
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass
+class KeptState:
+    """A model state after `tokens`; a trimmable one also serves any prefix of them."""
+
+    tokens: tuple[int, ...]
+    state: object
+    nbytes: int
+    trimmable: bool
+    key: int
+    last_used: int
+
+
+class PromptCache:
+    """Kept states within a byte cap and the ledger, least recently used given up first."""
+
+    def __init__(self, ledger: Ledger, cap_bytes: int):
+        self.ledger = ledger
+        self.cap_bytes = int(cap_bytes)
+        self.entries: dict[int, KeptState] = {}
+        self._keys = itertools.count(1)
+        self._clock = itertools.count(1)
+        self.hits = 0
+        self.misses = 0
+
+    def held(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def keep(self, tokens, state, nbytes: int, trimmable: bool) -> bool:
+        """Keep a state if it fits the cap and the ledger once older states give way; else drop it."""
+        tokens = tuple(tokens)
+        if not tokens or nbytes > self.cap_bytes:
+            return False
+        for entry in list(self.entries.values()):
+            # a state covered by the new one serves nothing the new one doesn't
+            if entry.tokens == tokens or (trimmable and entry.trimmable and tokens[:len(entry.tokens)] == entry.tokens):
+                self._drop(entry)
+        while self.held() + nbytes > self.cap_bytes and self.entries:
+            self._drop(self._oldest())
+        key = next(self._keys)
+        while not self.ledger.reserve(("kept", key), "kept_state", nbytes):
+            if not self.entries:
+                return False
+            self._drop(self._oldest())
+        self.entries[key] = KeptState(tokens, state, nbytes, trimmable, key, next(self._clock))
+        return True
+
+    def lookup(self, prompt) -> tuple[KeptState | None, int]:
+        """The kept state resuming most of `prompt` (leaving its last token to compute) and how many tokens."""
+        best, best_n = None, 0
+        for entry in self.entries.values():
+            shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+            usable = shared if entry.trimmable else (len(entry.tokens) if shared == len(entry.tokens) else 0)
+            if usable > best_n:
+                best, best_n = entry, usable
+        if best is None:
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        best.last_used = next(self._clock)
+        return best, best_n
+
+    def shed(self, nbytes: int) -> int:
+        """Give up states, oldest first, until the ledger has `nbytes` free; returns bytes given back."""
+        freed = 0
+        while self.ledger.free() < nbytes and self.entries:
+            entry = self._oldest()
+            freed += entry.nbytes
+            self._drop(entry)
+        return freed
+
+    def clear(self) -> None:
+        for entry in list(self.entries.values()):
+            self._drop(entry)
+
+    def _oldest(self) -> KeptState:
+        return min(self.entries.values(), key=lambda e: e.last_used)
+
+    def _drop(self, entry: KeptState) -> None:
+        self.entries.pop(entry.key, None)
+        self.ledger.release(("kept", entry.key))
+
+    def snapshot(self) -> dict:
+        return {"kept_states": len(self.entries), "kept_bytes": self.held(), "cap_bytes": self.cap_bytes,
+                "hits": self.hits, "misses": self.misses}
