@@ -205,3 +205,19 @@ def test_serve_on_port_zero_tells_its_ready_callback_the_bound_port(served, capf
         server.stop()
         thread.join(30)
     assert server.url in capfd.readouterr().err
+
+
+def test_a_chats_next_turn_reports_the_cached_tokens_it_resumed(client, model):
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and again"}]
+    second = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_health_shows_the_memory_budget_held_bytes_and_kept_states(served):
+    health = httpx.get(served.url + "/health").json()
+    memory = health["memory"]
+    assert memory["budget_bytes"] > 0 and memory["held_bytes"] <= memory["budget_bytes"]
+    assert "kept_states" in memory["prompt_cache"] and "queued" in health
