@@ -1,0 +1,151 @@
+"""One stream's state in an LFM2 model: attention keys and values, the conv layers' rolling inputs, kept states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+WINDOW_SLACK = 16  # rows a cache holds beyond its capacity, for the window that is not kept yet
+GROW_STEP = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a cache holds per layer kind: attention layers' keys and values, conv layers' last inputs."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    conv_layers: int
+    conv_dim: int
+    conv_tail: int  # inputs a conv layer carries to the next token: conv_L_cache - 1
+    dtype: mx.Dtype
+
+    def kv_bytes(self, tokens: int) -> int:
+        return 2 * self.attention_layers * self.kv_heads * self.head_dim * tokens * self.dtype.size
+
+    def conv_bytes(self) -> int:
+        return self.conv_layers * self.conv_tail * self.conv_dim * self.dtype.size
+
+
+@dataclass(frozen=True)
+class KeptState:
+    """A cache kept for a later request: keys and values of `tokens` tokens, conv states at each resume point."""
+
+    shape: Shape
+    tokens: int
+    keys: tuple[mx.array, ...]  # per attention layer, [1, kv_heads, tokens, head_dim]
+    values: tuple[mx.array, ...]
+    conv: dict[int, tuple[mx.array, ...]]  # resume point -> per conv layer, [1, conv_tail, conv_dim]
+
+    @property
+    def points(self) -> list[int]:
+        """The token counts a cache can be restored at: the chunk marks passed, and `tokens` itself."""
+        return sorted(self.conv)
+
+    def resume_point(self, limit: int) -> int:
+        """The most tokens a restore can start from without passing `limit` (0: none)."""
+        return max((p for p in self.conv if p <= limit), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [*self.keys, *self.values, *(a for states in self.conv.values() for a in states)]
+        return sum(a.nbytes for a in arrays)
+
+
+class HybridCache:
+    """One stream's keys and values (attention layers) and last conv inputs (conv layers), kept per window row."""
+
+    # A forward remembers each conv layer's input over the window ([tail; gated rows]), so commit(rows) slices the
+    # tail at the last accepted row: a rejected draft costs no second pass. A conv state can never be rewound, so
+    # every `marks` tokens (a chunk mark) the tail is copied aside: a kept state resumes there, keys trimmed.
+
+    def __init__(self, shape: Shape, capacity: int, marks: int = 0):
+        self.shape = shape
+        self.offset = 0
+        self.capacity = capacity
+        self.marks = marks
+        self.window: int | None = None  # rows of the last forward, until kept
+        kv = (1, shape.kv_heads, capacity + WINDOW_SLACK, shape.head_dim)
+        self.keys = [mx.zeros(kv, shape.dtype) for _ in range(shape.attention_layers)]
+        self.values = [mx.zeros(kv, shape.dtype) for _ in range(shape.attention_layers)]
+        self.conv = [mx.zeros((1, shape.conv_tail, shape.conv_dim), shape.dtype) for _ in range(shape.conv_layers)]
+        self.inputs: list[mx.array | None] = [None] * shape.conv_layers  # [tail; window rows] of the last forward
+        self.kept_conv: dict[int, tuple[mx.array, ...]] = {}  # chunk mark -> conv tails there
+        self.asked: set[int] = set()  # token counts to keep conv tails at, besides every `marks`
+
+    def mark(self, tokens: int) -> None:
+        """Keep the conv tails at `tokens` once the cache passes it, even inside a window."""
+        # e.g. a prompt's last-but-one token: where a repeat of the prompt resumes
+        if tokens > self.offset:
+            self.asked.add(tokens)
+
+    def reserve(self, n: int) -> None:
+        """Grow the key and value storage when a window reaches past it (a long prefill chunk near capacity)."""
+        size = self.keys[0].shape[2] if self.keys else self.offset + n
+        if self.offset + n <= size:
+            return
+        extra = -(-(self.offset + n - size) // GROW_STEP) * GROW_STEP
+        pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
+        self.keys, self.values = [pad(a) for a in self.keys], [pad(a) for a in self.values]
+
+    def write(self, slot: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the window's keys and values at offset..; return every key and value up to its last row."""
+        end = self.offset + k.shape[2]
+        self.keys[slot][..., self.offset:end, :] = k
+        self.values[slot][..., self.offset:end, :] = v
+        return self.keys[slot][..., :end, :], self.values[slot][..., :end, :]
+
+    def conv_input(self, slot: int, gated: mx.array) -> mx.array:
+        """The conv layer's input for the window: its committed tail, then the window's gated rows [1, n, dim]."""
+        self.inputs[slot] = mx.concatenate([self.conv[slot], gated], axis=1)
+        return self.inputs[slot]
+
+    def commit(self, rows: int) -> None:
+        """Keep the first `rows` rows of the window: the offset moves, each conv tail ends at the last kept row."""
+        tail, marked = self.shape.conv_tail, []
+        tails = lambda r: tuple(mx.contiguous(x[:, r:r + tail]) for x in self.inputs)  # copies: the window is freed
+        passed = {p for p in self.asked if p <= self.offset + rows}
+        if self.marks:
+            passed.update(range(-(-(self.offset + 1) // self.marks) * self.marks, self.offset + rows + 1, self.marks))
+        for mark in sorted(passed) if self.inputs else ():
+            self.kept_conv[mark] = tails(mark - self.offset)
+            marked.append(self.kept_conv[mark])
+        self.asked -= passed
+        if self.inputs:
+            self.conv = list(tails(rows))
+        self.offset += rows
+        self.window = None
+        self.inputs = [None] * self.shape.conv_layers
+        mx.eval(self.keys, self.values, self.conv, marked)
+
+    def snapshot(self) -> KeptState:
+        """The committed state, copied: restorable at `offset` and at every chunk mark it passed."""
+        if self.window is not None:
+            raise ValueError("keep() the cache's last window before a snapshot")
+        cut = lambda arrays: tuple(mx.contiguous(a[..., :self.offset, :]) for a in arrays)
+        conv = {mark: states for mark, states in self.kept_conv.items() if mark <= self.offset}
+        conv[self.offset] = tuple(mx.contiguous(a) for a in self.conv)
+        state = KeptState(self.shape, self.offset, cut(self.keys), cut(self.values), conv)
+        mx.eval(state.keys, state.values, list(conv.values()))
+        return state
+
+    @classmethod
+    def restored(cls, shape: Shape, state: KeptState, tokens: int, capacity: int, marks: int = 0) -> "HybridCache":
+        """A cache holding the first `tokens` tokens of a kept state; `tokens` must be one of its points."""
+        if state.shape != shape:
+            raise ValueError(f"a kept state of {state.shape} cannot restore into a cache of {shape}")
+        if tokens not in state.conv:
+            raise ValueError(f"a kept state of {state.tokens} tokens resumes at {state.points}, not at {tokens}")
+        if tokens > capacity:
+            raise ValueError(f"a cache of capacity {capacity} cannot hold {tokens} kept tokens")
+        cache = cls(shape, capacity, marks)
+        for slot, (k, v) in enumerate(zip(state.keys, state.values)):
+            cache.keys[slot][..., :tokens, :] = k[..., :tokens, :]
+            cache.values[slot][..., :tokens, :] = v[..., :tokens, :]
+        cache.conv = list(state.conv[tokens])
+        cache.kept_conv = {m: s for m, s in state.conv.items() if m <= tokens}
+        cache.offset = tokens
+        mx.eval(cache.keys, cache.values)
+        return cache

@@ -1,0 +1,305 @@
+"""The LFM2 architecture (short convs and attention): config, modules, sanitize, a forward over ragged windows."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tensorfold_core.errors import CheckpointError
+
+from .cache import WINDOW_SLACK, HybridCache, KeptState, Shape
+
+LAYER_TYPES = ("conv", "full_attention")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int | None = None
+    block_ff_dim: int | None = None  # the older name of intermediate_size
+    num_key_value_heads: int | None = None
+    norm_eps: float = 1e-5
+    conv_bias: bool = False
+    conv_L_cache: int = 3
+    block_dim: int | None = None  # transformers 5 no longer writes it: hidden_size
+    block_multiple_of: int = 256
+    block_ffn_dim_multiplier: float | None = 1.0
+    block_auto_adjust_ff_dim: bool = True
+    rope_theta: float = 1000000.0
+    rope_parameters: dict | None = None
+    layer_types: list[str] | None = None
+    full_attn_idxs: list[int] | None = None  # older configs: which layers attend
+    tie_word_embeddings: bool | None = None  # None: tied when the checkpoint has no lm_head
+    tie_embedding: bool | None = None  # older configs
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> "ModelArgs":
+        names = {f.name for f in fields(cls)}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and config.get(f.name) is None]
+        if missing:
+            raise CheckpointError(f"{source}: missing {', '.join(missing)}")
+        args = cls(**{k: v for k, v in config.items() if k in names})
+        args.check(source)
+        return args
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.hidden_size // self.num_attention_heads
+        self.intermediate_size = self.intermediate_size or self.block_ff_dim
+        self.block_dim = self.block_dim or self.hidden_size
+        if self.tie_word_embeddings is None and self.tie_embedding is not None:
+            self.tie_word_embeddings = self.tie_embedding
+        rope = dict(self.rope_parameters or {})
+        self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
+        self.rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if self.layer_types is None:  # as transformers: full_attn_idxs, else every layer attends
+            attends = self.full_attn_idxs if self.full_attn_idxs is not None else range(self.num_hidden_layers)
+            self.layer_types = [LAYER_TYPES[i in attends] for i in range(self.num_hidden_layers)]
+
+    def check(self, source: str) -> None:
+        if self.intermediate_size is None:
+            raise CheckpointError(f"{source}: missing intermediate_size (or block_ff_dim)")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown or len(self.layer_types) != self.num_hidden_layers:
+            raise CheckpointError(f"{source}: layer_types must name {self.num_hidden_layers} layers, each one of "
+                                  f"{', '.join(LAYER_TYPES)} (got {self.layer_types})")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(f"{source}: hidden_size {self.hidden_size}, {self.num_attention_heads} attention "
+                                  f"heads and {self.num_key_value_heads} key/value heads do not divide")
+        if self.block_dim != self.hidden_size:
+            raise CheckpointError(f"{source}: block_dim {self.block_dim} differs from hidden_size {self.hidden_size}")
+        if self.rope_type != "default":
+            raise CheckpointError(f"{source}: rope type {self.rope_type!r} is not supported by the lfm2 family")
+        if self.conv_L_cache < 1:
+            raise CheckpointError(f"{source}: conv_L_cache {self.conv_L_cache} must be at least 1")
+
+    @property
+    def ff_dim(self) -> int:
+        """The SwiGLU width by transformers' rule: two thirds, times the multiplier, rounded up to the multiple."""
+        # mlx-lm rounds up even without a multiplier; transformers (which writes the checkpoints) does not
+        dim = self.intermediate_size
+        if self.block_auto_adjust_ff_dim:
+            dim = int(2 * dim / 3)
+            if self.block_ffn_dim_multiplier is not None:
+                dim = int(self.block_ffn_dim_multiplier * dim)
+                dim = self.block_multiple_of * -(-dim // self.block_multiple_of)
+        return dim
+
+    def attends(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate, x):
+    return nn.silu(gate) * x
+
+
+class Span(NamedTuple):
+    """One stream's rows in the packed matrix: rows start..start+n run on `cache` at its offset."""
+
+    start: int
+    n: int
+    cache: HybridCache
+    mask: mx.array | None
+
+
+def causal_mask(offset: int, n: int) -> mx.array | None:
+    """Causal within the window; None for one row, which sees every key."""
+    if n == 1:
+        return None
+    return mx.arange(offset + n)[None] <= mx.arange(offset, offset + n)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.rope_theta = args.rope_theta
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.q_layernorm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+        self.k_layernorm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+        rows = x.shape[0]
+        queries = self.q_layernorm(self.q_proj(x).reshape(rows, self.n_heads, -1))  # per-head norms are row-wise
+        keys = self.k_layernorm(self.k_proj(x).reshape(rows, self.n_kv_heads, -1))
+        values = self.v_proj(x).reshape(rows, self.n_kv_heads, -1)
+        outs = []
+        for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
+            q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
+            q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
+            k, v = cache.write(slot, k, v)
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
+        return self.out_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
+
+
+class ShortConv(nn.Module):
+    """in_proj to B, C, x; a depthwise causal conv over the gated B·x; C gates the conv; out_proj."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=args.conv_bias)
+        self.conv = nn.Conv1d(dim, dim, kernel_size=args.conv_L_cache, groups=dim, bias=args.conv_bias)
+        self.out_proj = nn.Linear(dim, dim, bias=args.conv_bias)
+
+    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+        b, c, x = mx.split(self.in_proj(x), 3, axis=-1)
+        gated = b * x
+        # per stream: the conv reads the stream's committed tail; the cache keeps the rows for keep()
+        outs = [self.conv(cache.conv_input(slot, gated[start:start + n][None]))[0] for start, n, cache, _ in spans]
+        return self.out_proj(c * (outs[0] if len(outs) == 1 else mx.concatenate(outs)))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, feed_forward: nn.Module):
+        super().__init__()
+        self.is_attention_layer = args.attends(layer)
+        if self.is_attention_layer:
+            self.self_attn = Attention(args)
+        else:
+            self.conv = ShortConv(args)
+        self.feed_forward = feed_forward
+        self.operator_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
+
+    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+        op = self.self_attn if self.is_attention_layer else self.conv
+        h = x + op(self.operator_norm(x), spans, slot)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Lfm2Model(nn.Module):
+    def __init__(self, args: ModelArgs, feed_forwards: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i, ff) for i, ff in enumerate(feed_forwards)]
+        self.embedding_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
+
+
+class Model(nn.Module):
+    """An LFM2 checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.vocab_size = args.vocab_size
+        self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
+        self.model = Lfm2Model(args, [self.feed_forward(i) for i in range(args.num_hidden_layers)])
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # each layer's index among the layers of its kind: its slot in the cache
+        kinds = [args.attends(i) for i in range(args.num_hidden_layers)]
+        self._slots = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+
+    def feed_forward(self, layer: int) -> nn.Module:
+        return MLP(self.args.hidden_size, self.args.ff_dim)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Published names and layouts onto the modules: the conv weight from transformers' [C, 1, L] to [C, L, 1]."""
+        out = {}
+        for name, w in weights.items():
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                continue
+            if name.endswith("conv.conv.weight") and w.ndim == 3 and w.shape[1] == 1 and w.shape[2] > 1:
+                w = w.transpose(0, 2, 1)
+            out[name] = w
+        return out
+
+    @property
+    def _shape(self) -> Shape:
+        a = self.args
+        attention = sum(map(a.attends, range(a.num_hidden_layers)))
+        return Shape(attention, a.num_key_value_heads, a.head_dim, a.num_hidden_layers - attention, a.hidden_size,
+                     a.conv_L_cache - 1, self.dtype)
+
+    def new_cache(self, capacity: int, marks: int = 0) -> HybridCache:
+        """A cache for `capacity` tokens plus one window; `marks` > 0 keeps conv states every `marks` tokens."""
+        return HybridCache(self._shape, capacity, marks)
+
+    def cache_bytes(self, tokens: int) -> int:
+        shape = self._shape
+        return shape.kv_bytes(tokens + WINDOW_SLACK) + shape.conv_bytes()
+
+    trimmable = False  # a conv state cannot be rewound: a kept state resumes only at its points
+
+    def snapshot(self, cache: HybridCache) -> KeptState:
+        """A standalone copy of the cache's committed state, restorable at its offset and its chunk marks."""
+        return cache.snapshot()
+
+    def state_bytes(self, state: KeptState) -> int:
+        return state.nbytes
+
+    def restore(self, state: KeptState, capacity: int, tokens: int | None = None, marks: int = 0) -> HybridCache:
+        """A new cache holding the first `tokens` tokens of a kept state (one of `state.points`; default all)."""
+        return HybridCache.restored(self._shape, state, state.tokens if tokens is None else tokens, capacity, marks)
+
+    def forward(self, caches: Sequence[HybridCache], windows: Sequence[Sequence[int]],
+                logit_rows: Sequence[int]) -> mx.array:
+        if not len(caches) == len(windows) == len(logit_rows):
+            raise ValueError(f"{len(caches)} caches, {len(windows)} windows, {len(logit_rows)} logit_rows")
+        if len({id(cache) for cache in caches}) < len(caches):
+            raise ValueError("a cache appears twice in one forward")
+        for cache, window, rows in zip(caches, windows, logit_rows):
+            if len(window) == 0 or not 0 <= rows <= len(window):
+                raise ValueError(f"a window of {len(window)} rows cannot give {rows} logit rows")
+            if cache.window is not None:
+                raise ValueError("keep() the cache's last window before its next forward")
+        tokens = [token for window in windows for token in window]
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}, got {min(tokens)}..{max(tokens)}")
+        spans, pick, start = [], [], 0
+        for cache, window, rows in zip(caches, windows, logit_rows):
+            n = len(window)
+            cache.reserve(n)
+            spans.append(Span(start, n, cache, causal_mask(cache.offset, n)))
+            pick.extend(range(start + n - rows, start + n))
+            start += n
+        h = self.model.embed_tokens(mx.array(tokens, dtype=mx.uint32))
+        for layer, slot in zip(self.model.layers, self._slots):
+            h = layer(h, spans, slot)
+        for span in spans:  # offsets were read while the graph was built, so they may move now
+            span.cache.window = span.n
+        if not pick:
+            return mx.zeros((0, self.vocab_size), mx.float32)
+        h = self.model.embedding_norm(h[mx.array(pick)] if len(pick) < start else h)  # row-wise: select rows first
+        out = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        return out.astype(mx.float32)
+
+    def keep(self, cache: HybridCache, rows: int) -> None:
+        if cache.window is None:
+            raise ValueError("keep() without a forward on this cache")
+        if not 0 <= rows <= cache.window:
+            raise ValueError(f"cannot keep {rows} rows of a window of {cache.window}")
+        if cache.offset + rows > cache.capacity:
+            raise ValueError(f"a cache of capacity {cache.capacity} cannot hold {cache.offset + rows} tokens")
+        cache.commit(rows)  # evaluates: a window whose rows gave no logits is computed here

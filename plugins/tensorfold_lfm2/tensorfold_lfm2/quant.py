@@ -1,0 +1,70 @@
+"""MLX affine-quantized checkpoints read in place: which modules are packed, with which bits and group size."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.errors import CheckpointError
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def _params(block: dict, where: str) -> dict:
+    """A quantization block's {group_size, bits, mode}, refused by name when it is not MLX affine."""
+    mode = block.get("mode", "affine")
+    if mode != "affine" or "quant_method" in block:
+        kind = block.get("quant_method", mode)
+        raise CheckpointError(f"{where}: quantization {kind!r} is not read by tensorfold "
+                              "(MLX affine only: convert with `mlx_lm.convert -q`)")
+    bits, group_size = block.get("bits"), block.get("group_size")
+    if bits not in BITS or group_size not in GROUP_SIZES:
+        raise CheckpointError(f"{where}: affine quantization with bits={bits} group_size={group_size} is not "
+                              f"supported (bits {BITS}, group_size {GROUP_SIZES})")
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def _inferred(path: str, module: nn.Module, weights: dict, ckpt: Checkpoint) -> dict:
+    """bits and group size of a packed module the config does not name, from its tensors' shapes (as mlx-lm)."""
+    in_dims = module.weight.shape[-1]
+    packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+    if packed is None or packed.dtype != mx.uint32 or scales.ndim != module.weight.ndim or in_dims % scales.shape[-1]:
+        raise CheckpointError(f"{ckpt.source(f'{path}.scales')}: {path}.scales of shape {tuple(scales.shape)} does "
+                              f"not fit a packed {path}.weight of {in_dims} inputs")
+    return _params({"group_size": in_dims // scales.shape[-1], "bits": packed.shape[-1] * 32 // in_dims},
+                   f"{ckpt.source(f'{path}.weight')}: {path}")
+
+
+def quantize_in_place(model: nn.Module, weights: dict[str, mx.array], ckpt: Checkpoint) -> None:
+    """Swap each Linear, Embedding and expert stack stored packed for its quantized kind, read in place."""
+    # per-module overrides of the block are read by module path: mlx-lm writes its 8-bit routers that way
+    block = ckpt.quantization
+    config_file = ckpt.path / "config.json"
+    if block is None:
+        packed = next((k for k in weights if k.endswith(".scales")), None)
+        if packed is not None:
+            raise CheckpointError(f"{ckpt.source(packed)}: packed tensor {packed!r}, but {config_file} has no "
+                                  "quantization block")
+        return
+    default = _params(block, f"{config_file}")
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        if path in block:  # a per-module override: params, or false for a module kept dense
+            override = block[path]
+            if override is False or override is None:
+                return False
+            if override is True:
+                return default
+            if not isinstance(override, dict):
+                raise CheckpointError(f"{config_file}: quantization[{path!r}] is {override!r}, "
+                                      "expected a dict or false")
+            return _params({**default, **override}, f"{config_file}: quantization[{path!r}]")
+        if f"{path}.scales" not in weights:
+            return False
+        return _inferred(path, module, weights, ckpt)
+
+    nn.quantize(model, class_predicate=predicate)
