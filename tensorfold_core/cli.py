@@ -175,3 +175,15 @@ def families():
         click.echo(f"{row['distribution'] or row['plugin']} {row['version'] or ''}: "
                    f"families [{', '.join(row['families'])}], drafters [{', '.join(row['drafters'])}], "
                    f"kernels {row['kernels']}, models [{', '.join(row['models'])}]")
+
+
+@main.command()
+@click.option("--only", multiple=True, metavar="NAME",
+              help="A kernel, family, plugin or distribution name (globs allowed); repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--seed", type=int, default=None, help="Draw the inputs from this seed (default: fresh each run).")
+def contract(only, as_json, seed):
+    """Prove every installed kernel: gates 1-5 on each implementation this device runs, and planted controls."""
+    from tensorfold_contract.cli import run_cli
+
+    sys.exit(run_cli(only, as_json, seed))

@@ -50,10 +50,10 @@ class Host:
         budget = int(options.memory_gib * GIB) if options.memory_gib else default_budget()
         self.ledger = Ledger(budget)
         prompt_cache = PromptCache(self.ledger, int(options.prompt_cache_gib * GIB))
-        self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=shared)
+        self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=shared,
+                                   marks=options.prefill_chunk)
         self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared, drafter=drafter,
-                             timed=True, on_leave=self.admission.leave,
-                             on_mark=self.admission.keep)
+                             timed=True, on_leave=self.admission.leave)
         memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
                   "prompt_cache_resumes": shared}
         self._capabilities = capabilities(options, extra={"model": model_id, "context": context,

@@ -23,8 +23,9 @@ class Model(Protocol):
     vocab_size: int  # rows of the logits (the config's, padding included)
     dtype: mx.Dtype
 
-    def new_cache(self, capacity: int) -> Cache:
-        """A cache that can hold `capacity` committed tokens plus one window."""
+    def new_cache(self, capacity: int, marks: int = 0) -> Cache:
+        """A cache that can hold `capacity` committed tokens plus one window; a family whose state cannot be
+        trimmed keeps resume points every `marks` tokens (and where `cache.mark(n)` asks, if it has one)."""
 
     def cache_bytes(self, tokens: int) -> int:
         """Bytes a cache of `tokens` capacity holds (the ledger prices caches with it)."""
@@ -38,6 +39,24 @@ class Model(Protocol):
 
     def keep(self, cache: Cache, rows: int) -> None:
         """Commit the first `rows` rows of the last window run on `cache` and drop the rest."""
+
+    def snapshot(self, cache: Cache) -> "KeptModelState":
+        """A standalone copy of the cache's committed state, for the prompt cache."""
+
+    def restore(self, state: "KeptModelState", capacity: int, tokens: int | None = None, marks: int = 0) -> Cache:
+        """A new cache holding the first `tokens` tokens of a kept state (a count its resume_point allows)."""
+
+    def state_bytes(self, state: "KeptModelState") -> int:
+        """Bytes a kept state holds."""
+
+
+class KeptModelState(Protocol):
+    """A family's kept state: how many tokens it holds and where it can resume."""
+
+    tokens: int
+
+    def resume_point(self, limit: int) -> int:
+        """The most tokens, at most `limit`, a restore of this state can start from (0: none)."""
 
 
 @runtime_checkable

@@ -40,7 +40,7 @@ class Engine:
 
     def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
                  drafter: Proposer | None = None, max_depth: int = MAX_DEPTH, timed: bool = False,
-                 fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None, on_mark=None):
+                 fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None):
         self.model = model
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
@@ -53,7 +53,6 @@ class Engine:
         self.fixed_depth = fixed_depth  # check mode: every window carries this many drafter drafts, unpriced
         self.copy_drafts = copy_drafts
         self.on_leave = on_leave  # (stream, kept) when a stream leaves: its memory and state go back to the host
-        self.on_mark = on_mark  # (stream) when a non-trimmable cache reaches its prompt's last chunk mark
         self._asked: list[Turn] = []
         self.streams: dict[int, Stream] = {}
         self.rounds = 0
@@ -155,7 +154,6 @@ class Engine:
             stream = turn.stream
             if not turn.draws:
                 self.model.keep(stream.cache, len(turn.window))
-                self._at_mark(stream)
                 continue
             n = 1 + len(turn.drafts)
             draws = draw_rows(rows[row:row + n], stream.request.sampling, stream.seed, len(stream.tokens))
@@ -178,13 +176,6 @@ class Engine:
         stats.accepted += accepted
         if turn.source == "copy":
             self.copy.observe(turn.stream.id, len(turn.drafts), accepted)
-
-    def _at_mark(self, stream: Stream) -> None:
-        """A state that cannot be trimmed is kept at the last chunk mark inside its prompt, for repeats."""
-        offset, chunk = stream.cache.offset, self.prefill_chunk
-        if (self.on_mark is not None and not getattr(self.model, "trimmable", True) and offset % chunk == 0
-                and offset <= stream.prompt_len - 1 < offset + chunk):
-            self.on_mark(stream)
 
     def _forget(self, stream: Stream, kept: bool = True) -> None:
         self.streams.pop(stream.id, None)

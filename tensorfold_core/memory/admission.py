@@ -11,12 +11,13 @@ class Admission:
     """Every cache the host makes or keeps is reserved here first; what does not fit waits."""
 
     def __init__(self, model, ledger: Ledger, prompt_cache: PromptCache | None, drafter=None,
-                 resume: bool = True):
+                 resume: bool = True, marks: int = 0):
         self.model = model
         self.ledger = ledger
         self.prompt_cache = prompt_cache
         self.drafter = drafter
         self.resume = resume  # resuming changes a stream's windows, so it needs row invariance
+        self.marks = marks  # chunk marks: where a state that cannot be trimmed keeps resume points
         self.waits = 0  # admissions that had to wait for room
 
     def slot_bytes(self, limit: int) -> int:
@@ -59,8 +60,12 @@ class Admission:
         if self.resume and self.prompt_cache is not None:
             kept, usable = self.prompt_cache.lookup(prompt)
         if kept is not None:
-            return self.model.restore(kept.state, limit, usable), usable
-        return self.model.new_cache(limit), 0
+            cache = self.model.restore(kept.state, limit, usable, marks=self.marks)
+        else:
+            cache = self.model.new_cache(limit, marks=self.marks)
+        if hasattr(cache, "mark"):  # a repeat of this prompt resumes at its last token, whatever the chunks
+            cache.mark(len(prompt) - 1)
+        return cache, usable
 
     def leave(self, stream, kept: bool) -> None:
         """Give a stream's bytes back; keep its state (and its drafter slot) for later requests."""
@@ -76,8 +81,7 @@ class Admission:
             return
         state = self.model.snapshot(stream.cache)
         nbytes = self.model.state_bytes(state)
-        self.prompt_cache.keep(stream.tokens[:stream.cache.offset], state, nbytes,
-                               getattr(self.model, "trimmable", True))
+        self.prompt_cache.keep(stream.tokens[:stream.cache.offset], state, nbytes)
 
     def _sync_kept_slots(self) -> None:
         """Kept drafter slots sit in the ledger as one entry, resized as slots are kept or shed."""

@@ -21,12 +21,11 @@ def common_prefix(a, b) -> int:
 
 @dataclass
 class KeptState:
-    """A model state after `tokens`; a trimmable one also serves any prefix of them."""
+    """A model state after `tokens`, resumable at the counts its `state.resume_point` allows."""
 
     tokens: tuple[int, ...]
-    state: object
+    state: object  # a family's kept state: has resume_point(limit) -> the most tokens it restores up to limit
     nbytes: int
-    trimmable: bool
     key: int
     last_used: int
 
@@ -46,14 +45,15 @@ class PromptCache:
     def held(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def keep(self, tokens, state, nbytes: int, trimmable: bool) -> bool:
+    def keep(self, tokens, state, nbytes: int) -> bool:
         """Keep a state if it fits the cap and the ledger once older states give way; else drop it."""
         tokens = tuple(tokens)
         if not tokens or nbytes > self.cap_bytes:
             return False
         for entry in list(self.entries.values()):
-            # a state covered by the new one serves nothing the new one doesn't
-            if entry.tokens == tokens or (trimmable and entry.trimmable and tokens[:len(entry.tokens)] == entry.tokens):
+            # a state the new one covers (same prefix, resumable there too) serves nothing the new one doesn't
+            n = len(entry.tokens)
+            if tokens[:n] == entry.tokens and state.resume_point(n) == n:
                 self._drop(entry)
         while self.held() + nbytes > self.cap_bytes and self.entries:
             self._drop(self._oldest())
@@ -62,7 +62,7 @@ class PromptCache:
             if not self.entries:
                 return False
             self._drop(self._oldest())
-        self.entries[key] = KeptState(tokens, state, nbytes, trimmable, key, next(self._clock))
+        self.entries[key] = KeptState(tokens, state, nbytes, key, next(self._clock))
         return True
 
     def lookup(self, prompt) -> tuple[KeptState | None, int]:
@@ -70,7 +70,7 @@ class PromptCache:
         best, best_n = None, 0
         for entry in self.entries.values():
             shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
-            usable = shared if entry.trimmable else (len(entry.tokens) if shared == len(entry.tokens) else 0)
+            usable = entry.state.resume_point(shared)
             if usable > best_n:
                 best, best_n = entry, usable
         if best is None:

@@ -250,8 +250,6 @@ class Model(nn.Module):
         shape = self._shape
         return shape.kv_bytes(tokens + WINDOW_SLACK) + shape.conv_bytes()
 
-    trimmable = False  # a conv state cannot be rewound: a kept state resumes only at its points
-
     def snapshot(self, cache: HybridCache) -> KeptState:
         """A standalone copy of the cache's committed state, restorable at its offset and its chunk marks."""
         return cache.snapshot()

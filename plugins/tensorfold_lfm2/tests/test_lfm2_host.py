@@ -42,14 +42,14 @@ def make_host(model, prompt_cache_bytes=0):
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_a_repeated_prompt_resumes_at_its_last_chunk_mark_and_equals_the_fresh_run(model, sampled):
+def test_a_repeated_prompt_resumes_at_its_last_token_and_equals_the_fresh_run(model, sampled):
     fresh, cached = serve(make_host(model), PROMPT, sampled)
     assert cached == 0
     host = make_host(model, GIB // 8)
     first, _ = serve(host, PROMPT, sampled)
     again, cached = serve(host, PROMPT, sampled)
     assert first == fresh and again == fresh
-    assert cached == 48  # the last chunk mark inside the prompt: a conv state is kept only where it was taken
+    assert cached == len(PROMPT) - 1  # admission marks the prompt's last token, where a repeat resumes
 
 
 def test_a_conversations_next_turn_resumes_the_previous_state_whole_and_equals_the_fresh_run(model):

@@ -213,6 +213,16 @@ class KVCache:
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
 
 
+class KeptKV:
+    """Keys and values of `tokens` committed tokens, restorable at any prefix of them."""
+
+    def __init__(self, tokens: int, keys: list, values: list):
+        self.tokens, self.keys, self.values = tokens, keys, values
+
+    def resume_point(self, limit: int) -> int:
+        return max(0, min(limit, self.tokens))
+
+
 class Model(nn.Module):
     """A llama checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
 
@@ -232,34 +242,32 @@ class Model(nn.Module):
             weights.pop("lm_head.weight", None)
         return weights
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.args, capacity, self.dtype)
+    def new_cache(self, capacity: int, marks: int = 0) -> KVCache:
+        return KVCache(self.args, capacity, self.dtype)  # keys trim to any prefix, so no marks are needed
 
-    trimmable = True  # a KV cache's state serves any prefix of its tokens
-
-    def snapshot(self, cache: KVCache) -> dict:
+    def snapshot(self, cache: KVCache) -> "KeptKV":
         """A standalone copy of the committed tokens' keys and values (a kept prompt state)."""
         n = cache.offset
         keys = [mx.contiguous(k[..., :n, :]) for k in cache.keys]
         values = [mx.contiguous(v[..., :n, :]) for v in cache.values]
         mx.eval(keys, values)
-        return {"tokens": n, "keys": keys, "values": values}
+        return KeptKV(n, keys, values)
 
-    def restore(self, state: dict, capacity: int, tokens: int | None = None) -> KVCache:
+    def restore(self, state: "KeptKV", capacity: int, tokens: int | None = None, marks: int = 0) -> KVCache:
         """A new cache holding the first `tokens` of a kept state."""
-        n = state["tokens"] if tokens is None else tokens
-        if not 0 <= n <= min(state["tokens"], capacity):
-            raise ValueError(f"cannot restore {n} tokens of a state of {state['tokens']} into capacity {capacity}")
+        n = state.tokens if tokens is None else tokens
+        if not 0 <= n <= min(state.tokens, capacity):
+            raise ValueError(f"cannot restore {n} tokens of a state of {state.tokens} into capacity {capacity}")
         cache = self.new_cache(capacity)
         for layer in range(len(cache.keys)):
-            cache.keys[layer][..., :n, :] = state["keys"][layer][..., :n, :]
-            cache.values[layer][..., :n, :] = state["values"][layer][..., :n, :]
+            cache.keys[layer][..., :n, :] = state.keys[layer][..., :n, :]
+            cache.values[layer][..., :n, :] = state.values[layer][..., :n, :]
         cache.offset = n
         mx.eval(cache.keys, cache.values)
         return cache
 
-    def state_bytes(self, state: dict) -> int:
-        return sum(a.nbytes for a in state["keys"] + state["values"])
+    def state_bytes(self, state: "KeptKV") -> int:
+        return sum(a.nbytes for a in state.keys + state.values)
 
     def cache_bytes(self, tokens: int) -> int:
         a = self.args
