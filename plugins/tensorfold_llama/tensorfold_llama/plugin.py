@@ -51,3 +51,10 @@ def tensorfold_drafters():
     return [DrafterKind(name="llama", matches=_drafter_call("matches"), admit=_drafter_call("admit"),
                         start=_drafter_call("start"),
                         description="a smaller llama on the target's tokenizer drafting greedy chains")]
+
+
+@hookimpl
+def tensorfold_kernels():
+    from .kernels import records  # mlx and the contract load only when the contract runs
+
+    return records()

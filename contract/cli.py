@@ -1,0 +1,36 @@
+"""`python -m tensorfold_contract` and the body of `tensorfold contract`: run, print lines or JSON, exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .runner import NoMatch, run_contract
+
+
+def run_cli(only=(), as_json: bool = False, seed: int | None = None, out=None, err=None) -> int:
+    """Run the contract and print it; 0 when nothing failed and no control was missed, 1 otherwise, 2 on misuse."""
+    out, err = out or sys.stdout, err or sys.stderr
+    progress = (lambda what: print(f"  … {what}", file=err, flush=True)) if err.isatty() else None
+    try:
+        report = run_contract(only=only, seed=seed, progress=progress)
+    except NoMatch as exc:
+        print(f"tensorfold contract: error: {exc}", file=err)
+        return 2
+    if as_json:
+        print(json.dumps(report.as_json(), indent=1), file=out)
+    else:
+        print("\n".join(report.lines()), file=out)
+    return 0 if report.ok else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tensorfold_contract",
+                                     description="Prove every installed kernel: gates 1-5 and planted controls.")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="a kernel, family, plugin or distribution name (globs allowed); repeatable")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seed", type=int, default=None, help="draw the inputs from this seed (default: fresh)")
+    args = parser.parse_args(argv)
+    return run_cli(args.only, args.json, args.seed)

@@ -1,0 +1,261 @@
+"""The exact-verify GEMV under contract: up to 16 rows against bf16 or MLX affine 4/8-bit weights, row-invariant."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, Source, Tolerance, \
+    oversize_threadgroup, relaunch, swap, variant
+
+from .common import EPS32, LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER, WIDEST, bf16, groups, int_array
+from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_FOLD, METAL_BF16
+
+THREADS = 128  # four warps a group
+
+
+def buckets(rows: int) -> tuple[int, int]:
+    """(MAXR, COLS) for a call of `rows` rows: five builds, not sixteen."""
+    # rows round up to 1, 2, 4, 8 or 16, and many rows take fewer columns a warp (registers); neither changes any
+    # (row, column) chain, so the rounding never shows in a result
+    maxr = next(b for b in (1, 2, 4, 8, 16) if b >= max(rows, 1))
+    return maxr, 8 if maxr <= 4 else 4
+
+
+def make_for(bits: int):
+    def make(dims, rows, rng):
+        n, k = dims["n"], dims["k"]
+        x = bf16(rng.standard_normal((rows, k)).astype(np.float32))
+        w = bf16((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
+        if bits == 16:
+            return {"x": x, "w": w}
+        import mlx.core as mx
+
+        wq, scales, biases = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=dims["group"], bits=bits)
+        return {"x": x, "wq": np.array(wq), "scales": np.array(scales.astype(mx.float32)),
+                "biases": np.array(biases.astype(mx.float32))}
+
+    return make
+
+
+def dequantize(wq: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """MLX affine weights in float64: values packed low bits first, w = scale * q + bias per group."""
+    per_word = 32 // bits
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
+    q = (wq[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
+    q = q.reshape(wq.shape[0], -1).astype(np.float64)
+    return q * np.repeat(scales.astype(np.float64), group, axis=1) + np.repeat(biases.astype(np.float64), group, axis=1)
+
+
+def reference_for(bits: int):
+    def reference(case):
+        x = case["x"].astype(np.float64)
+        if bits == 16:
+            w = case["w"].astype(np.float64)
+        else:
+            w = dequantize(case["wq"], case["scales"], case["biases"], bits, case.dims["group"])
+        return {"y": x @ w.T}
+
+    return reference
+
+
+def tolerance(dims):
+    # fp32 chains of K products: rounding grows about as sqrt(K), relative to the row's largest output
+    return Tolerance(rtol=64 * EPS32 + 16 * EPS32 * np.sqrt(dims["k"]))
+
+
+def mlx_for(bits: int, drop_tail: bool = False):
+    """The kernels it replaces: matmul on the widened bf16 values, or mx.quantized_matmul, with fp32 outputs."""
+
+    def mlx_gemv(case):
+        import mlx.core as mx
+
+        x = case.array("x")
+        if bits == 16:
+            w = case.array("w")
+            if drop_tail:
+                return {"y": x[:, :-1] @ w[:, :-1].T}
+            return {"y": x @ w.T}
+        return {"y": qmm(x, case.array("wq"), case.array("scales", mx.bfloat16), case.array("biases", mx.bfloat16),
+                         case.dims["group"], bits)}
+
+    return mlx_gemv
+
+
+def qmm(x, wq, scales, biases, group: int, bits: int):
+    """mx.quantized_matmul, but not on zero rows: MLX 0.32.4's CPU kernel dies of SIGFPE there."""
+    import mlx.core as mx
+
+    if x.shape[0] == 0:
+        return mx.zeros((0, wq.shape[0]), mx.float32)
+    return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
+
+
+def _inputs_for(bits: int):
+    def inputs(case):
+        import mlx.core as mx
+
+        dims = int_array([case.rows, case.dims["n"], case.dims["k"]])
+        if bits == 16:
+            return [case.array("x", mx.bfloat16), case.array("w", mx.bfloat16), dims]
+        return [case.array("x", mx.bfloat16), case.array("wq"), case.array("scales", mx.bfloat16),
+                case.array("biases", mx.bfloat16), dims]
+
+    return inputs
+
+
+def _launch_for(bits: int):
+    def launch(case):
+        import mlx.core as mx
+
+        maxr, cols = buckets(case.rows)
+        warps = groups(case.dims["n"], cols)
+        template = [("MAXR", maxr), ("COLS", cols)]
+        if bits != 16:
+            template += [("BITS", bits), ("GROUP", case.dims["group"])]
+        return Launch(grid=(warps * 32 if case.rows else 0, 1, 1), threadgroup=(THREADS, 1, 1),
+                      output_shapes=((case.rows, case.dims["n"]),), output_dtypes=(mx.float32,),
+                      template=tuple(template))
+
+    return launch
+
+
+def source(kind: str, bits: int) -> Source:
+    names = ("x", "w", "dims") if bits == 16 else ("x", "wq", "scales", "biases", "dims")
+    body = METAL_BF16 if kind == "metal" else (CUDA_BF16 if bits == 16 else CUDA_AFFINE)
+    return Source(f"gemv{bits}", names, ("y",), body, inputs=_inputs_for(bits), launch=_launch_for(bits))
+
+
+def fp16_chunks(case):
+    """Planted: the dot products accumulated in fp16, eight partial sums at a time."""
+    import mlx.core as mx
+
+    x, w = case.array("x"), case.array("w")
+    k = x.shape[1]
+    acc = mx.zeros((x.shape[0], w.shape[0]), mx.float16)
+    step = max(1, -(-k // 8))
+    for start in range(0, k, step):
+        acc = acc + (x[:, start:start + step] @ w[:, start:start + step].T).astype(mx.float16)
+    return {"y": acc.astype(mx.float32)}
+
+
+def split_when_many_for(bits: int):
+    def split_when_many(case):
+        """Planted: when more than one row shares the call, K is summed in two halves (as split-K GEMMs do)."""
+        import mlx.core as mx
+
+        if case.rows <= 1:
+            return mlx_for(bits)(case)
+        x = case.array("x")
+        if bits == 16:
+            w, h = case.array("w"), x.shape[1] // 2
+            return {"y": x[:, :h] @ w[:, :h].T + x[:, h:] @ w[:, h:].T}
+        group = case.dims["group"]
+        g = case.dims["k"] // group // 2
+        wq, s, b = case.array("wq"), case.array("scales", mx.bfloat16), case.array("biases", mx.bfloat16)
+        cut, h = g * group * bits // 32, g * group
+
+        return {"y": qmm(x[:, :h], wq[:, :cut], s[:, :g], b[:, :g], group, bits)
+                + qmm(x[:, h:], wq[:, cut:], s[:, g:], b[:, g:], group, bits)}
+
+    return split_when_many
+
+
+def neighbour_scales_for(bits: int):
+    def neighbour_scales(case):
+        """Planted: each group dequantized with the next group's scale (off by one group)."""
+        import mlx.core as mx
+
+        s = case.array("scales", mx.bfloat16)
+        s = mx.concatenate([s[:, 1:], s[:, :1]], axis=1)
+        return {"y": qmm(case.array("x"), case.array("wq"), s, case.array("biases", mx.bfloat16),
+                         case.dims["group"], bits)}
+
+    return neighbour_scales
+
+
+def _one_group_short(launch: Launch) -> Launch:
+    # a whole group: MLX rounds the grid up to whole groups, so one warp short would still launch every warp
+    return dataclasses.replace(launch, grid=(max(0, launch.grid[0] - launch.threadgroup[0]), *launch.grid[1:]))
+
+
+REORDER = swap("for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);",
+               "if (rows > 1) { for (int o = 1; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o); }\n"
+               "      else { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); }")
+assert CUDA_FOLD.count("v += __shfl_xor_sync") == 1
+
+MODELS = (("tiny", TINY, False), ("tiny drafter", TINY_DRAFTER, False), ("1B", LLAMA_1B, True),
+          ("8B", LLAMA_8B, True))
+
+
+def served(bits: int, group: int = 64) -> tuple[Shape, ...]:
+    """Each model's projections (q/o, k/v, gate/up, down) and the tiny models' lm_head, at the widest window."""
+    extra = {} if bits == 16 else {"group": group}
+    out = []
+    for label, m, heavy in MODELS:
+        kv = m["kv_heads"] * m["head_dim"]
+        projections = [("q/o", m["hidden"], m["hidden"]), ("k/v", kv, m["hidden"]),
+                       ("gate/up", m["inter"], m["hidden"]), ("down", m["hidden"], m["inter"])]
+        if not heavy:
+            projections.append(("lm_head", m["vocab"], m["hidden"]))
+        if label == "tiny drafter" or (heavy and label == "1B"):
+            projections = projections[2:4]  # their MLP shapes; their attention shapes add no new case
+        out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, WIDEST, heavy)
+                for what, n, k in projections]
+    return tuple(out)
+
+
+def edges(bits: int) -> tuple[Shape, ...]:
+    if bits == 16:
+        sizes = [("1 row", 256, 256, 1), ("K=200, not a multiple of 8", 40, 200, 5),
+                 ("K=264, a part sweep of the lanes", 33, 264, 16), ("N=1, K=8", 1, 8, 3),
+                 ("N=33, off the columns per warp", 33, 256, 7), ("empty", 256, 256, 0)]
+        return tuple(Shape(label, {"n": n, "k": k}, rows) for label, n, k, rows in sizes)
+    sizes = [("1 row", 256, 256, 64, 1), ("K=64, one group", 40, 64, 64, 5),
+             ("K=192, N=33", 33, 192, 64, 16), ("group 32", 48, 160, 32, 3), ("group 128", 17, 384, 128, 9),
+             ("empty", 256, 256, 64, 0)]
+    return tuple(Shape(label, {"n": n, "k": k, "group": g}, rows) for label, n, k, g, rows in sizes)
+
+
+NOT_INVARIANT_ON_CUDA = Finding("MLX's matmul and quantized_matmul are not row-invariant on CUDA (DESIGN §10): "
+                                "the cuda implementation is the exact one there", kind="mlx", gate=4, backend="cuda")
+
+
+def record(bits: int) -> KernelRecord:
+    label = "bf16" if bits == 16 else f"q{bits}"
+    common = dict(family="llama", make=make_for(bits), reference=reference_for(bits), shapes=served(bits),
+                  edges=edges(bits), tolerance=tolerance, row_inputs=("x",), findings=(NOT_INVARIANT_ON_CUDA,))
+    cuda = [Control("row-count-dependent reduction order", "cuda", 4, REORDER),
+            Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup())]
+    if bits == 16:
+        controls = [
+            Control("fp16 accumulator", "mlx", 2, variant(fp16_chunks)),
+            Control("row-count-dependent reduction order", "mlx", 4, variant(split_when_many_for(16))),
+            Control("dropped tail element", "mlx", 2, variant(mlx_for(16, drop_tail=True))),
+            Control("dropped tail element", "cuda", 3, swap("for (int k = chunks * 8 + lane; k < K; k += 32)",
+                                                            "for (int k = chunks * 8 + lane; k < K - 1; k += 32)")),
+            Control("fp16 accumulator", "cuda", 2, swap("float acc[MAXR][COLS];", "__half acc[MAXR][COLS];")),
+            Control("unwritten last columns (grid one group short)", "cuda", 2, relaunch(_one_group_short)),
+            *cuda,
+            Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
+        ]
+        impls = {"mlx": mlx_for(16), "cuda": source("cuda", 16), "metal": source("metal", 16)}
+    else:
+        nibble = ("(q >> (4 * j)) & 15u", "(q >> (4 * (7 - j))) & 15u") if bits == 4 else \
+            ("(q.x >> (8 * j)) & 255u", "(q.x >> (8 * (3 - j))) & 255u")
+        controls = [
+            Control("scale of the neighbouring group", "mlx", 2, variant(neighbour_scales_for(bits))),
+            Control("row-count-dependent reduction order", "mlx", 4, variant(split_when_many_for(bits))),
+            Control("packed values read in the wrong order", "cuda", 2, swap(*nibble)),
+            *cuda,
+        ]
+        impls = {"mlx": mlx_for(bits), "cuda": source("cuda", bits)}
+    return KernelRecord(name=f"llama gemv {label}", implementations=impls, controls=tuple(controls),
+                        description=f"y = x w^T for 1..16 rows, {label} weights, fp32 output; each row's result "
+                                    "independent of the row count", **common)
+
+
+BF16 = record(16)
+Q4 = record(4)
+Q8 = record(8)

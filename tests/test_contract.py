@@ -1,0 +1,271 @@
+"""The kernel contract on the CPU: the llama records pass, their controls go red, and the runner's own rules hold."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+
+from tensorfold_contract import (Control, KernelRecord, Launch, Shape, Source, Tolerance, run_contract, shift_rows,
+                                 swap, variant)
+from tensorfold_contract import devices, gates
+from tensorfold_contract.cli import run_cli
+from tensorfold_core import hookimpl
+from tensorfold_core.plugins import new_plugin_manager
+
+SEED = 20261130
+
+
+@pytest.fixture(scope="module")
+def llama_report():
+    return run_contract(only=["llama"], seed=SEED)
+
+
+def test_every_llama_record_passes_gates_1_to_4_on_the_cpu_mlx_implementation(llama_report):
+    names = {k.name for k in llama_report.kernels}
+    assert {"llama rmsnorm", "llama rope neox", "llama rope interleaved", "llama gemv bf16", "llama gemv q4",
+            "llama gemv q8", "llama greedy argmax", "llama keyed draw"} <= names
+    for kernel in llama_report.kernels:
+        mlx = kernel.implementations["mlx"]
+        assert mlx.status == "pass", (kernel.name, {g: r.detail for g, r in mlx.gates.items()})
+        assert [mlx.gates[g].status for g in (1, 2, 3, 4)] == ["pass"] * 4
+    summary = llama_report.summary()
+    assert summary["pass"] == summary["kernels"] and summary["fail"] == 0 and summary["limit_problems"] == 0
+
+
+def test_every_control_that_can_run_here_is_red_as_planted_and_each_record_has_at_least_two(llama_report):
+    for kernel in llama_report.kernels:
+        red = [c for c in kernel.controls if c.status == "red"]
+        assert len(red) >= 2, kernel.name
+        for c in kernel.controls:
+            assert c.status in ("red", "not run (no CUDA device)", "not run (no Metal device)"), (kernel.name, c)
+    summary = llama_report.summary()
+    assert summary["missed"] == 0 and summary["red"] == summary["controls"] > 0
+
+
+def test_cuda_and_metal_implementations_are_reported_not_run_never_pass(llama_report):
+    for kernel in llama_report.kernels:
+        for kind, why in (("cuda", "not run (no CUDA device)"), ("metal", "not run (no Metal device)")):
+            if kind in kernel.implementations:
+                impl = kernel.implementations[kind]
+                assert impl.status == why
+                assert all(impl.gates[g].status == why for g in (1, 2, 3, 4))
+                assert impl.gates[5].status == "pass"  # launch limits need no device
+    text = "\n".join(llama_report.lines())
+    assert "cuda   not run (no CUDA device)" in text and "metal  not run (no Metal device)" in text
+    assert "cuda   pass" not in text and "metal  pass" not in text
+
+
+def test_the_summary_line_counts_kernels_passes_findings_controls_and_limit_problems(llama_report):
+    s = llama_report.summary()
+    assert llama_report.lines()[-1] == (
+        f"SUMMARY {s['kernels']} kernels: {s['pass']} pass gates 1-4, 0 fail, 0 known findings; "
+        f"{s['controls']} controls: {s['controls']} red as planted, 0 missed; 0 limit problems")
+
+
+def test_the_json_report_has_summary_kernels_and_device(llama_report):
+    data = llama_report.as_json()
+    assert set(data["summary"]) == {"kernels", "pass", "fail", "known_findings", "controls", "red", "missed",
+                                    "limit_problems"}
+    kernel = next(k for k in data["kernels"] if k["name"] == "llama gemv q4")
+    assert kernel["family"] == "llama" and kernel["distribution"] == "tensorfold-llama"
+    assert set(kernel["implementations"]) == {"mlx", "cuda"}
+    assert set(kernel["implementations"]["mlx"]["gates"]) == {"1", "2", "3", "4", "5"}
+    assert {"name", "implementation", "gate", "status", "detail"} <= set(kernel["controls"][0])
+    assert data["device"]["backend"] == "cpu" and data["device"]["runs"] == ["mlx"]
+    assert data["seed"] == SEED
+
+
+# A toy kernel, registered in-process: y = 2x, with implementations good and bad.
+
+def _double(case):
+    return {"y": case.array("x") * 2}
+
+
+def _toy(name="toy double", impl=_double, controls=None, more=None, **extra) -> KernelRecord:
+    return KernelRecord(
+        name=name, family="toy",
+        make=lambda dims, rows, rng: {"x": rng.standard_normal((rows, dims["n"])).astype(np.float32)},
+        reference=lambda case: {"y": 2 * case["x"].astype(np.float64)},
+        implementations={"mlx": impl, **(more or {})},
+        shapes=(Shape("n=8", {"n": 8}), Shape("n=33", {"n": 33}, 5)),
+        edges=(Shape("1 row", {"n": 8}, 1), Shape("empty", {"n": 8}, 0)),
+        tolerance=Tolerance(rtol=1e-6), row_inputs=("x",),
+        controls=controls if controls is not None else (
+            Control("off-by-one row", "mlx", 2, lambda impl: lambda case: shift_rows(impl(case))),
+            Control("tripled", "mlx", 2, variant(lambda case: {"y": case.array("x") * 3})),
+        ), **extra)
+
+
+class ToyPlugin:
+    def __init__(self, *records):
+        self.records = list(records)
+
+    @hookimpl
+    def tensorfold_kernels(self):
+        return self.records
+
+
+def _manager(*records, name="toy"):
+    pm = new_plugin_manager(entry_points=False)
+    pm.register(ToyPlugin(*records), name=name)
+    return pm
+
+
+def test_a_control_that_stays_green_is_missed_and_fails_the_run():
+    harmless = Control("a defect that is not one", "mlx", 2, variant(_double))
+    report = run_contract(pm=_manager(_toy(controls=(harmless, harmless))), seed=1)
+    (kernel,) = report.kernels
+    assert kernel.status == "pass"
+    assert [c.status for c in kernel.controls] == ["missed", "missed"]
+    assert "gate 2 stayed green" in kernel.controls[0].detail
+    assert report.summary()["missed"] == 2 and not report.ok
+    assert "0 red as planted, 2 missed" in report.lines()[-1]
+
+
+def test_an_implementation_off_the_reference_fails_gate_2_and_the_run():
+    report = run_contract(pm=_manager(_toy(impl=lambda case: {"y": case.array("x") * 2.001})), seed=1)
+    mlx = report.kernels[0].implementations["mlx"]
+    assert mlx.status == "fail" and mlx.gates[2].status == "fail" and "off by" in mlx.gates[2].detail
+    assert report.summary()["fail"] == 1 and not report.ok
+
+
+def test_a_row_count_dependent_implementation_fails_gate_4_only():
+    def wobbly(case):
+        x = case.array("x")
+        return {"y": x * 2 if case.rows == 1 else (x * 4 + 1e-7) / 2}
+
+    mlx = run_contract(pm=_manager(_toy(impl=wobbly)), seed=1).kernels[0].implementations["mlx"]
+    assert [mlx.gates[g].status for g in (1, 2, 3, 4)] == ["pass", "pass", "pass", "fail"]
+    assert "differs from its 1-row call" in mlx.gates[4].detail
+
+
+def test_a_known_finding_excuses_its_gate_and_is_counted():
+    from tensorfold_contract import Finding
+
+    bad = _toy(impl=lambda case: {"y": case.array("x") * 2.001},
+               findings=(Finding("doubles a little more than twice", "mlx", 2),
+                         Finding("doubles a little more than twice", "mlx", 3)))
+    report = run_contract(pm=_manager(bad), seed=1)
+    mlx = report.kernels[0].implementations["mlx"]
+    assert mlx.status == "known findings" and mlx.gates[2].status == "known"
+    assert report.summary()["known_findings"] == 2 and report.summary()["fail"] == 0 and report.ok
+    cuda_only = _toy(impl=lambda case: {"y": case.array("x") * 2.001},
+                     findings=(Finding("only on CUDA", "mlx", 2, backend="cuda"),))
+    assert not run_contract(pm=_manager(cuda_only), seed=1).ok
+
+
+def _source_record(threads: int, grid: int = 64) -> KernelRecord:
+    import mlx.core as mx
+
+    source = Source("toy_double", ("x",), ("y",), "y[0] = x[0];", inputs=lambda case: [case.array("x")],
+                    launch=lambda case: Launch((grid, 1, 1), (threads, 1, 1), ((case.rows, case.dims["n"]),),
+                                               (mx.float32,), static_shared=1024))
+    return _toy(more={"cuda": source, "metal": source})
+
+
+def test_gate_5_counts_limit_problems_against_every_recorded_device_kind():
+    report = run_contract(pm=_manager(_source_record(threads=2048)), seed=1)
+    kernel = report.kernels[0]
+    assert kernel.implementations["cuda"].limit_problems() == {"NVIDIA sm_90"}
+    assert kernel.implementations["metal"].limit_problems() == {f"Apple M{n}" for n in range(1, 6)}
+    assert report.summary()["limit_problems"] == 6
+    assert "2048 threads per group > 1024" in kernel.implementations["cuda"].gates[5].detail
+    assert run_contract(pm=_manager(_source_record(threads=256)), seed=1).summary()["limit_problems"] == 0
+
+
+def test_an_over_sized_threadgroup_control_is_red_at_gate_5_without_a_device():
+    from tensorfold_contract import oversize_threadgroup
+
+    record = _source_record(threads=256)
+    record = dataclasses.replace(record, controls=record.controls + (
+        Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
+        Control("a source edit", "cuda", 2, swap("y[0] = x[0];", "y[0] = 0;"))))
+    controls = run_contract(pm=_manager(record), seed=1).kernels[0].controls
+    assert [c.status for c in controls[2:]] == ["red", "not run (no CUDA device)"]
+
+
+def test_a_control_whose_source_text_is_gone_cannot_be_planted_and_is_missed():
+    record = _source_record(threads=256)
+    record = dataclasses.replace(record, controls=record.controls + (
+        Control("an edit of text that moved", "cuda", 5, swap("no such text", "x")),))
+    control = run_contract(pm=_manager(record), seed=1).kernels[0].controls[-1]
+    assert control.status == "missed" and "could not be planted" in control.detail
+
+
+def test_outputs_a_kernel_never_writes_stay_poison_and_fail_the_reference():
+    import mlx.core as mx
+
+    record = _toy()
+    source = Source("never_launched", ("x",), ("y",), "", inputs=lambda case: [case.array("x")],
+                    launch=lambda case: Launch((0, 1, 1), (32, 1, 1), ((case.rows, 8),), (mx.float32,)))
+    case = gates.make_case(record, record.shapes[0], 3, np.random.default_rng(0))
+    outs = gates.run_source("cuda", source, case)
+    assert np.isnan(np.array(outs["y"])).all()
+    ok, why, _ = gates.compare(record, case, outs, record.reference(case))
+    assert not ok and "nan" in why.lower()
+
+
+def test_a_kernel_is_named_by_its_text_so_mlx_never_reuses_a_stale_build():
+    source = _source_record(256).implementations["cuda"]
+    planted = swap("y[0] = x[0];", "y[0] = 0;")(source)
+    assert gates._kernel_name("cuda", source) != gates._kernel_name("cuda", planted)
+    assert gates._kernel_name("cuda", source) == gates._kernel_name("cuda", _source_record(512).implementations["cuda"])
+
+
+def test_only_matches_kernel_family_plugin_and_distribution_names_with_globs():
+    pm = _manager(_toy("toy double"), _toy("toy other"), name="toyplug")
+    assert [k.name for k in run_contract(only=["toy double"], pm=pm, seed=1).kernels] == ["toy double"]
+    assert len(run_contract(only=["toy"], pm=pm, seed=1).kernels) == 2  # the family
+    assert len(run_contract(only=["toyplug"], pm=pm, seed=1).kernels) == 2  # the plugin
+    assert [k.name for k in run_contract(only=["*other"], pm=pm, seed=1).kernels] == ["toy other"]
+
+
+def test_a_plugin_hook_that_raises_is_a_failing_kernel_not_a_crash():
+    class Broken:
+        @hookimpl
+        def tensorfold_kernels(self):
+            raise RuntimeError("no kernels today")
+
+    pm = new_plugin_manager(entry_points=False)
+    pm.register(Broken(), name="broken")
+    report = run_contract(pm=pm, seed=1)
+    assert report.summary()["fail"] == 1 and "no kernels today" in report.kernels[0].problems[0]
+
+
+def test_a_record_with_fewer_than_two_controls_fails():
+    report = run_contract(pm=_manager(_toy(controls=())), seed=1)
+    assert report.kernels[0].status == "fail" and "at least 2" in report.kernels[0].problems[0]
+
+
+def test_the_cli_exits_0_when_all_pass_1_when_something_failed_and_2_when_only_names_nothing(monkeypatch):
+    import tensorfold_contract.cli as cli
+
+    def fake_run(pm):
+        return lambda only=(), seed=None, progress=None: run_contract(only=only, seed=seed, pm=pm, progress=progress)
+
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(cli, "run_contract", fake_run(_manager(_toy())))
+    assert run_cli(["toy"], False, 1, out, err) == 0 and "SUMMARY 1 kernels: 1 pass" in out.getvalue()
+    assert run_cli(["nothing-by-this-name"], False, 1, out, err) == 2
+    assert "matches no kernel, family, plugin or distribution" in err.getvalue() and "toy" in err.getvalue()
+    monkeypatch.setattr(cli, "run_contract", fake_run(_manager(_toy(impl=lambda case: {"y": case.array("x")}))))
+    assert run_cli([], False, 1, out, err) == 1
+
+
+def test_the_device_is_probed_as_cpu_here_and_limits_are_recorded_for_apple_and_sm90():
+    device = devices.current()
+    assert device.backend == "cpu" and device.runs == ("mlx",)
+    assert device.reason_not_run("metal") == "not run (no Metal device)"
+    names = [lim.name for lim in devices.RECORDED]
+    assert names == ["Apple M1", "Apple M2", "Apple M3", "Apple M4", "Apple M5", "NVIDIA sm_90"]
+
+
+def test_a_claimed_bit_equal_replacement_is_held_to_it_at_gate_4():
+    same = _toy(bit_equal_to={"mlx": lambda case: {"y": case.array("x") + case.array("x")}})
+    assert run_contract(pm=_manager(same), seed=1).kernels[0].implementations["mlx"].gates[4].status == "pass"
+    off = _toy(bit_equal_to={"mlx": lambda case: {"y": case.array("x") * 2 + 1e-7}})
+    gate = run_contract(pm=_manager(off), seed=1).kernels[0].implementations["mlx"].gates[4]
+    assert gate.status == "fail" and "as claimed" in gate.detail

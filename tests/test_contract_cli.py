@@ -1,0 +1,114 @@
+"""`tensorfold contract` from the outside: a third-party plugin, the line format, JSON, exit codes, few dependencies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+TOY = textwrap.dedent('''
+    """A throwaway third-party kernel plugin: y = 2x, with planted controls."""
+    import numpy as np
+
+    from tensorfold_contract import Control, KernelRecord, Shape, Tolerance, variant
+    from tensorfold_core import hookimpl
+
+
+    def double(case):
+        return {"y": case.array("x") * 2}
+
+
+    CONTROLS = [Control("tripled", "mlx", 2, variant(lambda case: {"y": case.array("x") * 3}))]
+    if CONTROLS_PLANTED > 1:
+        CONTROLS.append(Control("drops the last column", "mlx", 2,
+                                variant(lambda case: {"y": (case.array("x") * 2)[:, :-1]})))
+
+
+    @hookimpl
+    def tensorfold_kernels():
+        return [KernelRecord(
+            name="toy double", family="toyfam",
+            make=lambda dims, rows, rng: {"x": rng.standard_normal((rows, dims["n"])).astype(np.float32)},
+            reference=lambda case: {"y": 2 * case["x"].astype(np.float64)},
+            implementations={"mlx": double},
+            shapes=(Shape("n=64", {"n": 64}),), edges=(Shape("1 row", {"n": 3}, 1),),
+            tolerance=Tolerance(rtol=1e-6), row_inputs=("x",), controls=tuple(CONTROLS))]
+''')
+
+
+def install_toy(site, controls: int):
+    """A module plus its dist-info with the entry point: an installed distribution, as pip would leave it."""
+    (site / "toy_kernels.py").write_text(f"CONTROLS_PLANTED = {controls}\n" + TOY)
+    info = site / "toy_kernels-1.2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-kernels\nVersion: 1.2.0\n")
+    (info / "entry_points.txt").write_text("[tensorfold]\ntoy = toy_kernels\n")
+
+
+def contract(*args, site=None, module=("-m", "tensorfold_core")):
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = str(site)
+    return subprocess.run([sys.executable, *module, "contract", *args], env=env, capture_output=True, text=True)
+
+
+def test_a_third_party_distribution_is_picked_up_by_only_and_proven_with_no_change_to_core(tmp_path):
+    install_toy(tmp_path, controls=2)
+    done = contract("--only", "toy-kernels", "--json", "--seed", "7", site=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    (kernel,) = report["kernels"]
+    assert (kernel["name"], kernel["family"], kernel["plugin"], kernel["distribution"]) == \
+        ("toy double", "toyfam", "toy", "toy-kernels")
+    assert kernel["implementations"]["mlx"]["status"] == "pass"
+    assert [c["status"] for c in kernel["controls"]] == ["red", "red"]
+    assert report["summary"] == {"kernels": 1, "pass": 1, "fail": 0, "known_findings": 0, "controls": 2, "red": 2,
+                                 "missed": 0, "limit_problems": 0}
+
+
+def test_a_third_party_record_with_one_planted_control_is_reported_and_fails_the_two_control_rule(tmp_path):
+    install_toy(tmp_path, controls=1)
+    done = contract("--only", "toyfam", site=tmp_path)
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("toy double") and "mlx    pass  1:pass  2:pass  3:pass  4:pass" in line
+               for line in lines), done.stdout
+    assert "control [mlx] tripled -> gate 2: red as planted" in done.stdout
+    assert "1 controls (a record carries at least 2 planted defects)" in done.stdout
+    assert lines[-1] == ("SUMMARY 1 kernels: 0 pass gates 1-4, 1 fail, 0 known findings; 1 controls: 1 red as "
+                         "planted, 0 missed; 0 limit problems")
+
+
+def test_only_llama_prints_a_line_per_kernel_and_implementation_and_exits_0():
+    done = contract("--only", "llama greedy argmax", "--only", "llama rmsnorm", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tensorfold contract on ") and "seed 3" in lines[0]
+    for kernel in ("llama greedy argmax", "llama rmsnorm"):
+        assert any(line.startswith(kernel) and " mlx    pass" in line for line in lines)
+        assert any(line.startswith(kernel) and " cuda   not run (no CUDA device)" in line for line in lines)
+        assert any(line.startswith(kernel) and " metal  not run (no Metal device)" in line for line in lines)
+    assert lines[-1].startswith("SUMMARY 2 kernels: 2 pass gates 1-4, 0 fail, 0 known findings; ")
+
+
+def test_only_naming_nothing_exits_2_and_names_what_is_registered():
+    done = contract("--only", "no-such-family")
+    assert done.returncode == 2
+    assert "--only no-such-family matches no kernel, family, plugin or distribution" in done.stderr
+    assert "llama" in done.stderr
+
+
+def test_the_contract_runs_without_the_server_and_its_dependencies():
+    blocked = textwrap.dedent('''
+        import runpy, sys
+        for name in ("pydantic", "fastapi", "uvicorn", "prometheus_client", "tokenizers", "jinja2", "click"):
+            sys.modules[name] = None  # importing any of them now fails
+        sys.argv = ["tensorfold_contract", "--only", "llama greedy argmax", "--json", "--seed", "5"]
+        runpy.run_module("tensorfold_contract", run_name="__main__")
+    ''')
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["summary"]["kernels"] == 1 and report["ok"] is True
