@@ -33,3 +33,16 @@ class ServeOptions(BaseModel):
     @classmethod
     def flag(cls, field_name: str) -> str:
         return "--" + field_name.replace("_", "-")
+
+
+def flags_markdown() -> str:
+    """The docs' flag list, made from the same table click and capabilities read."""
+    lines = ["| flag | default | what it sets |", "| --- | --- | --- |"]
+    for name, field in ServeOptions.model_fields.items():
+        default = "" if field.default is None else f"`{field.default}`"
+        lines.append(f"| `{ServeOptions.flag(name)}` | {default} | {field.description} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")

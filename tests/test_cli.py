@@ -65,3 +65,12 @@ def test_a_missing_model_dir_is_one_line_naming_it(tmp_path):
     result = tensorfold("run", str(missing), "x")
     assert result.returncode == 2
     assert "no-such-model" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_docs_flag_list_is_the_options_table():
+    from pathlib import Path
+
+    from tensorfold_core.options import flags_markdown
+
+    docs = (Path(__file__).parent.parent / "docs" / "flags.md").read_text()
+    assert flags_markdown() in docs, "regenerate docs/flags.md with `python -m tensorfold_core.options`"
