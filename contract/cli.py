@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 
 from .runner import NoMatch, run_contract
 
 
-def run_cli(only=(), as_json: bool = False, seed: int | None = None, out=None, err=None) -> int:
+def run_cli(only=(), as_json: bool = False, seed: int | None = None, out=None, err=None,
+            isolate: bool | None = None) -> int:
     """Run the contract and print it; 0 when nothing failed and no control was missed, 1 otherwise, 2 on misuse."""
     out, err = out or sys.stdout, err or sys.stderr
     progress = (lambda what: print(f"  … {what}", file=err, flush=True)) if err.isatty() else None
     try:
-        report = run_contract(only=only, seed=seed, progress=progress)
+        report = run_contract(only=only, seed=seed, progress=progress, isolate=isolate)
     except NoMatch as exc:
         print(f"tensorfold contract: error: {exc}", file=err)
         return 2
@@ -32,5 +34,15 @@ def main(argv=None) -> int:
                         help="a kernel, family, plugin or distribution name (globs allowed); repeatable")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=None, help="draw the inputs from this seed (default: fresh)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each record in a child process, so a crash fails that record and the run goes "
+                             "on (default: on a GPU, not on the CPU)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # the isolated run's child: one record's steps
     args = parser.parse_args(argv)
-    return run_cli(args.only, args.json, args.seed)
+    if args.child:
+        from .isolate import child_main
+
+        return child_main(json.loads(args.child))
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # without --isolate a crash at least leaves the Python stack on stderr
+    return run_cli(args.only, args.json, args.seed, isolate=args.isolate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -12,6 +13,14 @@ from . import devices
 from .record import Case, KernelRecord, Shape, Source
 
 INT_POISON = 2147483520.0  # exact in float32 and far past any id or flag, so an unwritten int output shows
+
+# Called with (gate, shape label) before each shape a gate runs; an isolated run reports it, so a crash is placed.
+watch: Callable[[int, str], None] | None = None
+
+
+def _at(gate: int, label: str) -> None:
+    if watch is not None:
+        watch(gate, label)
 
 
 @dataclass
@@ -22,6 +31,7 @@ class GateResult:
     status: str
     detail: str = ""
     problems: list = field(default_factory=list)  # gate 5: (limits name, problem) pairs
+    failures: list = field(default_factory=list)  # gates 1-4: (shape label, why) of each red shape
 
     @property
     def red(self) -> bool:
@@ -31,7 +41,24 @@ class GateResult:
         out = {"status": self.status, "detail": self.detail}
         if self.gate == 5:
             out["problems"] = [{"limits": name, "problem": text} for name, text in self.problems]
+        elif self.failures:
+            out["failed"] = [label for label, _ in self.failures]
         return out
+
+    @classmethod
+    def from_json(cls, gate: int, data: dict) -> "GateResult":
+        """The inverse of as_json (an isolated run's child reports gates this way); failures keep their labels."""
+        problems = [(p["limits"], p["problem"]) for p in data.get("problems", [])]
+        failures = [tuple(f) for f in data["failures"]] if "failures" in data else \
+            [(label, data.get("detail", "")) for label in data.get("failed", [])]
+        return cls(gate, data["status"], data.get("detail", ""), problems, failures)
+
+
+def _failed(gate: int, failures: list[tuple[str, str]]) -> GateResult:
+    """A red gate from its red shapes: every one named, so a known finding can excuse exactly those."""
+    shown = [why for _, why in failures[:4]]
+    more = f"; and {len(failures) - 4} more shapes" if len(failures) > 4 else ""
+    return GateResult(gate, "fail", "; ".join(shown) + more, failures=list(failures))
 
 
 def make_case(record: KernelRecord, shape: Shape, rows: int, rng: np.random.Generator) -> Case:
@@ -123,6 +150,12 @@ def host(a) -> tuple[np.ndarray, np.ndarray]:
     """An mx.array on the host: (values as float64 or int64, raw bits for bit-equality)."""
     import mlx.core as mx
 
+    if a.size == 0:
+        # a zero-size array is all shape: build it here and never read MLX's buffer (MLX 0.32.4 on CUDA hands
+        # numpy a zero-size result it never allocated, and reading one back crashed the H200 run with SIGSEGV)
+        floating = mx.issubdtype(a.dtype, mx.floating)
+        shape = tuple(a.shape)
+        return np.zeros(shape, np.float64 if floating else np.int64), np.zeros(shape, f"u{a.dtype.size}")
     if a.dtype == mx.bfloat16:
         return np.array(a.astype(mx.float32)).astype(np.float64), np.array(a.view(mx.uint16))
     values = np.array(a)
@@ -171,26 +204,37 @@ def compare(record: KernelRecord, case: Case, outs: dict, expected: dict) -> tup
 def gate_build(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs) -> GateResult:
     """Gate 1: the implementation builds and one call launches and evaluates."""
     shape = shapes[0]
+    _at(1, shape.label)
     try:
         run(kind, impl, inputs.case(shape, 1))
     except Exception as exc:  # any failure to build or launch is the finding
-        return GateResult(1, "fail", f"{shape.label}: {type(exc).__name__}: {str(exc)[:300]}")
+        return _failed(1, [(shape.label, f"{shape.label}: {type(exc).__name__}: {str(exc)[:300]}")])
     return GateResult(1, "pass", f"{shape.label}")
 
 
-def gate_match(gate: int, record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs) -> GateResult:
-    """Gates 2 and 3: each shape's outputs match the float64 host reference on fresh inputs."""
-    worst, exact = 0.0, True
+def gate_match(gate: int, record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs,
+               every: bool = False) -> GateResult:
+    """Gates 2 and 3: each shape's outputs match the float64 host reference on fresh inputs.
+
+    A control stops at its first red shape; an implementation (`every`) runs them all, so each red one is named.
+    """
+    worst, exact, failures = 0.0, True, []
     for shape in shapes:
+        _at(gate, shape.label)
         try:
             case = inputs.case(shape, shape.rows)
             exact = exact and all(record.tolerance_for(shape.dims, name).exact for name in inputs.reference(case))
             ok, why, ratio = compare(record, case, run(kind, impl, case), inputs.reference(case))
         except Exception as exc:
-            return GateResult(gate, "fail", f"{shape.label}: {type(exc).__name__}: {str(exc)[:300]}")
+            ok, why, ratio = False, f"{shape.label}: {type(exc).__name__}: {str(exc)[:300]}", 0.0
         if not ok:
-            return GateResult(gate, "fail", why)
+            failures.append((shape.label, why))
+            if not every:
+                break
+            continue
         worst = max(worst, ratio)
+    if failures:
+        return _failed(gate, failures)
     if exact:
         return GateResult(gate, "pass", f"{len(shapes)} shapes, exact")
     return GateResult(gate, "pass", f"{len(shapes)} shapes, worst error {worst:.2f} of allowed")
@@ -212,41 +256,56 @@ def _differs(a: dict, b: dict, row_a: int | None = None, row_b: int | None = Non
     return None
 
 
-def gate_bits(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs, others: dict) -> GateResult:
+def gate_bits(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs, others: dict,
+              every: bool = False) -> GateResult:
     """Gate 4: each row of a k-row call bit-equal to its 1-row call (k = 1..max_rows), repeats, and claims."""
-    n = record.max_rows
     claim = record.bit_equal_to.get(kind)
-    checked = []
+    checked, failures = [], []
     for shape in shapes:
-        try:
-            case = inputs.case(shape, n)
-            singles = [_bits(run(kind, impl, case.take_rows(i, i + 1))) for i in range(n)]
-            for k in range(1, n + 1):
-                many = _bits(run(kind, impl, case.take_rows(0, k)))
-                for i in range(k):
-                    name = _differs(singles[i], many, 0, i)
-                    if name:
-                        return GateResult(4, "fail", f"{shape.label}: {name} row {i} of a {k}-row call differs "
-                                                     f"from its 1-row call")
-            again = _bits(run(kind, impl, case))
-            if _differs(many, again):
-                return GateResult(4, "fail", f"{shape.label}: a repeat of the {n}-row call differs")
-            if claim is not None:
-                if isinstance(claim, str) and claim not in others:
-                    checked.append(f"claim vs {claim} not run here")
-                else:
-                    theirs = run(claim, others[claim], case) if isinstance(claim, str) else claim(case)
-                    name = _differs(many, _bits(theirs))
-                    if name:
-                        what = claim if isinstance(claim, str) else getattr(claim, "__name__", "replaced")
-                        return GateResult(4, "fail", f"{shape.label}: {name} not bit-equal to {what}, as claimed")
-        except Exception as exc:
-            return GateResult(4, "fail", f"{shape.label}: {type(exc).__name__}: {str(exc)[:300]}")
+        _at(4, shape.label)
+        why = _bits_of_shape(record, kind, impl, shape, inputs, others, claim, checked)
+        if why:
+            failures.append((shape.label, why))
+            if not every:
+                break
+    if failures:
+        return _failed(4, failures)
+    n = record.max_rows
     what = f"rows 1..{n} and repeats bit-equal on {len(shapes)} shapes"
     if claim is not None:
         named = claim if isinstance(claim, str) else "the replaced kernel"
         what += "; " + ("; ".join(sorted(set(checked))) if checked else f"bit-equal to {named}")
     return GateResult(4, "pass", what)
+
+
+def _bits_of_shape(record: KernelRecord, kind: str, impl, shape: Shape, inputs: Inputs, others: dict, claim,
+                   checked: list) -> str | None:
+    """Gate 4 on one shape: why it is red, or None."""
+    n = record.max_rows
+    try:
+        case = inputs.case(shape, n)
+        singles = [_bits(run(kind, impl, case.take_rows(i, i + 1))) for i in range(n)]
+        for k in range(1, n + 1):
+            many = _bits(run(kind, impl, case.take_rows(0, k)))
+            for i in range(k):
+                name = _differs(singles[i], many, 0, i)
+                if name:
+                    return f"{shape.label}: {name} row {i} of a {k}-row call differs from its 1-row call"
+        again = _bits(run(kind, impl, case))
+        if _differs(many, again):
+            return f"{shape.label}: a repeat of the {n}-row call differs"
+        if claim is not None:
+            if isinstance(claim, str) and claim not in others:
+                checked.append(f"claim vs {claim} not run here")
+            else:
+                theirs = run(claim, others[claim], case) if isinstance(claim, str) else claim(case)
+                name = _differs(many, _bits(theirs))
+                if name:
+                    what = claim if isinstance(claim, str) else getattr(claim, "__name__", "replaced")
+                    return f"{shape.label}: {name} not bit-equal to {what}, as claimed"
+    except Exception as exc:
+        return f"{shape.label}: {type(exc).__name__}: {str(exc)[:300]}"
+    return None
 
 
 def gate_limits(record: KernelRecord, kind: str, impl, device: devices.Device) -> GateResult:

@@ -124,15 +124,30 @@ class Control:
 
 @dataclass(frozen=True)
 class Finding:
-    """A known, explained red gate: excused where it matches, and counted as a known finding."""
+    """A known, explained red gate: excused where it matches, and counted as a known finding.
+
+    The narrower the better: `case` names the one shape label it excuses, `symptom` a text the failure must show
+    (an error message, "off by"), and `mlx` the MLX versions it was seen on. A gate is excused only when every
+    red case in it is matched; a red case on another MLX version stays red, with a note to re-check the finding.
+    """
 
     note: str
     kind: str  # implementation kind
     gate: int
     backend: str | None = None  # "cpu", "cuda" or "metal": where it applies; None: everywhere
+    case: str | None = None  # the shape label it excuses; None: any case
+    symptom: str | None = None  # a text the failure's detail must contain; None: any failure
+    mlx: str | tuple[str, ...] | None = None  # the MLX versions it was seen on; None: every version
 
-    def matches(self, kind: str, gate: int, backend: str) -> bool:
-        return self.kind == kind and self.gate == gate and self.backend in (None, backend)
+    def versions(self) -> tuple[str, ...] | None:
+        return (self.mlx,) if isinstance(self.mlx, str) else self.mlx
+
+    def matches(self, kind: str, gate: int, backend: str, case: str | None = None, text: str = "",
+                mlx: str | None = None, any_version: bool = False) -> bool:
+        versions = self.versions()
+        return (self.kind == kind and self.gate == gate and self.backend in (None, backend)
+                and self.case in (None, case) and (self.symptom is None or self.symptom in text)
+                and (any_version or versions is None or mlx in versions))
 
 
 @dataclass(frozen=True)

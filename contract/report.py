@@ -23,6 +23,13 @@ class ImplResult:
         return {"status": self.status, "gates": {str(g): r.as_json() for g, r in sorted(self.gates.items())},
                 "known_findings": self.known, "seconds": round(self.seconds, 3)}
 
+    @classmethod
+    def from_json(cls, kind: str, data: dict) -> "ImplResult":
+        from .gates import GateResult
+
+        gates = {int(g): GateResult.from_json(int(g), r) for g, r in data["gates"].items()}
+        return cls(kind, data["status"], gates, list(data.get("known_findings", [])), data.get("seconds", 0.0))
+
 
 @dataclass
 class ControlResult:
@@ -37,6 +44,10 @@ class ControlResult:
     def as_json(self) -> dict:
         return {"name": self.name, "implementation": self.kind, "gate": self.gate, "status": self.status,
                 "detail": self.detail}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ControlResult":
+        return cls(data["name"], data["implementation"], data["gate"], data["status"], data.get("detail", ""))
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Report:
     only: list
     registered: int
     kernels: list = field(default_factory=list)
+    isolated: bool = False  # each record ran in a child process of its own
 
     def summary(self) -> dict:
         ran = [c for k in self.kernels for c in k.controls if c.status in ("red", "missed")]
@@ -101,7 +113,7 @@ class Report:
 
     def lines(self) -> list[str]:
         out = [f"tensorfold contract on {self.device.name} ({self.device.backend}, mlx {self.device.mlx}), "
-               f"seed {self.seed}"]
+               f"seed {self.seed}" + (", each record isolated" if self.isolated else "")]
         width = max([len(k.name) for k in self.kernels] + [10])
         for k in self.kernels:
             for problem in k.problems:
@@ -122,4 +134,5 @@ class Report:
 
     def as_json(self) -> dict:
         return {"summary": self.summary(), "ok": self.ok, "seed": self.seed, "only": self.only,
+                "isolated": self.isolated,
                 "kernels": [k.as_json() for k in self.kernels], "device": self.device.as_json()}

@@ -70,44 +70,83 @@ def _shapes(shapes, kind: str, device: devices.Device) -> tuple[list, int]:
 
 
 def _gates_1_to_4(record: KernelRecord, kind: str, impl, device, inputs: gates.Inputs,
-                  wanted: tuple[int, ...] = (2, 3, 4)) -> dict[int, GateResult]:
-    """Gate 1, then the wanted gates of 2..4 (a control asks only for its own)."""
+                  wanted: tuple[int, ...] = (2, 3, 4), every: bool = False,
+                  on_gate: Callable[[int, GateResult], None] | None = None) -> dict[int, GateResult]:
+    """Gate 1, then the wanted gates of 2..4 (a control asks only for its own; it stops at its first red shape,
+    an implementation runs `every` shape so each red one is named). `on_gate` hears each gate as it ends."""
     served, heavy = _shapes(record.shapes, kind, device)
     edges, _ = _shapes(record.edges, kind, device)
     if not served:
         why = f"all {heavy} served shapes are heavy (left to a GPU)"
         return {g: GateResult(g, "not run", why) for g in (1, *wanted)}
-    results = {1: gates.gate_build(record, kind, impl, served, inputs)}
+    results: dict[int, GateResult] = {}
+
+    def done(gate: int, result: GateResult) -> None:
+        results[gate] = result
+        if on_gate is not None:
+            on_gate(gate, result)
+
+    done(1, gates.gate_build(record, kind, impl, served, inputs))
     if results[1].status != "pass":
         return {**results, **{g: GateResult(g, "not run", "gate 1 is red") for g in wanted}}
     if 2 in wanted:
-        results[2] = gates.gate_match(2, record, kind, impl, served, inputs)
+        result = gates.gate_match(2, record, kind, impl, served, inputs, every)
         if heavy:
-            results[2].detail += f"; {heavy} heavy shapes left to a GPU"
+            result.detail += f"; {heavy} heavy shapes left to a GPU"
+        done(2, result)
     if 3 in wanted:
-        results[3] = (gates.gate_match(3, record, kind, impl, edges, inputs) if edges
-                      else GateResult(3, "pass", "no edge shapes recorded"))
+        done(3, gates.gate_match(3, record, kind, impl, edges, inputs, every) if edges
+             else GateResult(3, "pass", "no edge shapes recorded"))
     if 4 in wanted:
         runnable = {k: v for k, v in record.implementations.items() if k in device.runs}
-        results[4] = gates.gate_bits(record, kind, impl, served, inputs, runnable)
+        done(4, gates.gate_bits(record, kind, impl, served, inputs, runnable, every))
     return results
 
 
-def run_implementation(record: KernelRecord, kind: str, device: devices.Device, inputs: gates.Inputs) -> ImplResult:
+def run_implementation(record: KernelRecord, kind: str, device: devices.Device, inputs: gates.Inputs,
+                       on_gate: Callable[[int, GateResult], None] | None = None) -> ImplResult:
     impl = record.implementations[kind]
     t0 = time.perf_counter()
     if kind in device.runs:
-        results = _gates_1_to_4(record, kind, impl, device, inputs)
+        results = _gates_1_to_4(record, kind, impl, device, inputs, every=True, on_gate=on_gate)
     else:
         results = {g: GateResult(g, device.reason_not_run(kind)) for g in (1, 2, 3, 4)}
-    results[5] = gates.gate_limits(record, kind, impl, device)
+    return finish_implementation(record, kind, device, results, time.perf_counter() - t0)
+
+
+def _excuse(record: KernelRecord, kind: str, result: GateResult, device: devices.Device) -> list[str]:
+    """Mark a red gate known when a finding matches each of its red shapes; the notes of the findings used."""
+    if result.status != "fail" or not record.findings:
+        return []
+    notes, texts, covered = [], [], True
+    for label, text in result.failures or [(None, result.detail)]:
+        finding = next((f for f in record.findings
+                        if f.matches(kind, result.gate, device.backend, label, text, device.mlx)), None)
+        if finding is not None:
+            texts.append(f"{text} [known finding: {finding.note}]")
+            notes += [finding.note] if finding.note not in notes else []
+            continue
+        covered = False
+        elsewhere = next((f for f in record.findings
+                          if f.matches(kind, result.gate, device.backend, label, text, any_version=True)), None)
+        texts.append(text + (f" [a known finding matches on mlx {', '.join(elsewhere.versions())}, not on mlx "
+                             f"{device.mlx}: re-check it there]" if elsewhere else ""))
+    result.detail = "; ".join(texts)
+    if not covered:
+        return []
+    result.status = "known"
+    return notes
+
+
+def finish_implementation(record: KernelRecord, kind: str, device: devices.Device, results: dict,
+                          seconds: float) -> ImplResult:
+    """Gate 5, the known findings, and the implementation's status from its gates."""
+    if 5 not in results:
+        results[5] = gates.gate_limits(record, kind, record.implementations[kind], device)
     known = []
     for g in (1, 2, 3, 4):
-        finding = next((f for f in record.findings if f.matches(kind, g, device.backend)), None)
-        if results[g].status == "fail" and finding is not None:
-            results[g].status = "known"
-            results[g].detail += f" [known finding: {finding.note}]"
-            known.append(finding.note)
+        if g in results:
+            known += _excuse(record, kind, results[g], device)  # one per finding per gate it excuses
     if kind not in device.runs:
         status = device.reason_not_run(kind)
     elif any(results[g].status == "fail" for g in (1, 2, 3, 4)):
@@ -116,7 +155,7 @@ def run_implementation(record: KernelRecord, kind: str, device: devices.Device, 
         status = "not run"
     else:
         status = "known findings" if known else "pass"
-    return ImplResult(kind, status, results, known, time.perf_counter() - t0)
+    return ImplResult(kind, status, results, known, seconds)
 
 
 def run_control(record: KernelRecord, index: int, device: devices.Device, inputs: gates.Inputs) -> ControlResult:
@@ -152,42 +191,92 @@ def run_control(record: KernelRecord, index: int, device: devices.Device, inputs
     return result
 
 
-def run_record(reg: Registered, device: devices.Device, seed: int,
-               progress: Callable[[str], None] | None = None) -> KernelResult:
+Step = tuple  # ("impl", kind) or ("control", index): what a record runs, one after another
+
+
+def record_steps(record: KernelRecord) -> list[Step]:
+    """Each implementation of a known kind, then each control planted into one of them, in record order."""
+    kinds = [k for k in record.implementations if k in KINDS]
+    return [("impl", k) for k in kinds] + [("control", i) for i, c in enumerate(record.controls)
+                                           if c.kind in kinds and c.gate in (2, 3, 4, 5)]
+
+
+def step_name(record: KernelRecord, step: Step) -> str:
+    what, key = step
+    return f"{record.name} [{key}]" if what == "impl" else f"{record.name} control {record.controls[key].name!r}"
+
+
+def run_step(record: KernelRecord, step: Step, device: devices.Device, inputs: gates.Inputs,
+             on_gate: Callable[[int, GateResult], None] | None = None):
+    what, key = step
+    if what == "impl":
+        return run_implementation(record, key, device, inputs, on_gate)
+    return run_control(record, key, device, inputs)
+
+
+def new_result(reg: Registered) -> KernelResult:
     record = reg.record
     if record is None:
         return KernelResult(f"({reg.plugin})", "?", reg.plugin, reg.distribution, problems=[reg.error])
     # a record that breaks a rule still runs all it can, so its author sees everything at once; it fails anyway
-    result = KernelResult(record.name, record.family, reg.plugin, reg.distribution, problems=record.problems())
-    if not record.shapes:
+    return KernelResult(record.name, record.family, reg.plugin, reg.distribution, problems=record.problems())
+
+
+def place(result: KernelResult, step: Step, outcome) -> None:
+    if step[0] == "impl":
+        result.implementations[step[1]] = outcome
+    else:
+        result.controls.append(outcome)
+
+
+def run_record(reg: Registered, device: devices.Device, seed: int,
+               progress: Callable[[str], None] | None = None) -> KernelResult:
+    result = new_result(reg)
+    record = reg.record
+    if record is None or not record.shapes:
         return result
     inputs = gates.Inputs(record, seed)  # dropped with the record: heavy shapes hold hundreds of MB
-    for kind in (k for k in record.implementations if k in KINDS):
+    for step in record_steps(record):
         if progress:
-            progress(f"{record.name} [{kind}]")
-        result.implementations[kind] = run_implementation(record, kind, device, inputs)
-    for i, control in enumerate(record.controls):
-        if control.kind in result.implementations and control.gate in (2, 3, 4, 5):
-            if progress:
-                progress(f"{record.name} control {control.name!r}")
-            result.controls.append(run_control(record, i, device, inputs))
+            progress(step_name(record, step))
+        place(result, step, run_step(record, step, device, inputs))
     return result
 
 
 def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, device: devices.Device | None = None,
-                 progress: Callable[[str], None] | None = None) -> Report:
-    """Run every registered record (or those `only` names: kernel, family, plugin or distribution; globs allowed)."""
+                 progress: Callable[[str], None] | None = None, isolate: bool | None = None) -> Report:
+    """Run every registered record (or those `only` names: kernel, family, plugin or distribution; globs allowed).
+
+    `isolate` runs each record in a child process (default: on a GPU, not on the CPU), so a crash in MLX or a
+    kernel fails that record's step, and the rest of the run and its summary go on. Children find the records
+    through the installed entry points, so isolation takes no `pm`.
+    """
     only = list(only)
     seed = secrets.randbits(32) if seed is None else seed
     device = device or devices.current()
+    if isolate is None:
+        isolate = device.backend != "cpu" and pm is None
+    if isolate and pm is not None:
+        raise ValueError("an isolated run finds its records through installed entry points: pass no pm")
     found = discover(pm)
     chosen = [r for r in found if not only or r.matches(only)]
     if only and not chosen:
         known = sorted({n for r in found for n in (r.plugin, r.record.family if r.record else r.plugin)})
         raise NoMatch(only, known)
-    report = Report(device=device, seed=seed, only=only, registered=len(found))
+    report = Report(device=device, seed=seed, only=only, registered=len(found), isolated=isolate)
     for reg in chosen:
-        report.kernels.append(run_record(reg, device, seed, progress))
+        try:
+            if isolate and reg.record is not None:
+                from .isolate import run_record_isolated
+
+                kernel = run_record_isolated(reg, next(i for i, r in enumerate(found) if r is reg), device, seed,
+                                                 progress)
+            else:
+                kernel = run_record(reg, device, seed, progress)
+        except Exception as exc:  # a fault in the runner or a record's own code: that record fails, the run goes on
+            kernel = new_result(reg)
+            kernel.problems.append(f"the runner stopped on this record: {type(exc).__name__}: {str(exc)[:300]}")
+        report.kernels.append(kernel)
     return report
 
 

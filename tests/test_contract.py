@@ -244,7 +244,8 @@ def test_the_cli_exits_0_when_all_pass_1_when_something_failed_and_2_when_only_n
     import tensorfold_contract.cli as cli
 
     def fake_run(pm):
-        return lambda only=(), seed=None, progress=None: run_contract(only=only, seed=seed, pm=pm, progress=progress)
+        return lambda only=(), seed=None, progress=None, isolate=None: run_contract(only=only, seed=seed, pm=pm,
+                                                                                   progress=progress)
 
     out, err = io.StringIO(), io.StringIO()
     monkeypatch.setattr(cli, "run_contract", fake_run(_manager(_toy())))
@@ -269,3 +270,93 @@ def test_a_claimed_bit_equal_replacement_is_held_to_it_at_gate_4():
     off = _toy(bit_equal_to={"mlx": lambda case: {"y": case.array("x") * 2 + 1e-7}})
     gate = run_contract(pm=_manager(off), seed=1).kernels[0].implementations["mlx"].gates[4]
     assert gate.status == "fail" and "as claimed" in gate.detail
+
+
+def test_a_zero_size_array_is_read_back_from_its_shape_alone_never_from_mlx_s_buffer():
+    import mlx.core as mx
+
+    class Untouchable:  # what MLX 0.32.4 on CUDA handed back for an empty matmul: reading it crashed the H200
+        shape, size, dtype = (0, 256), 0, mx.float32
+
+        def __array__(self, *args, **kwargs):
+            raise AssertionError("read the buffer of a zero-size array")
+
+        astype = view = __array__
+
+    values, bits = gates.host(Untouchable())
+    assert values.shape == bits.shape == (0, 256) and values.dtype == np.float64 and bits.dtype == np.uint32
+    for dtype, value_type, bits_type in ((mx.bfloat16, np.float64, np.uint16), (mx.float32, np.float64, np.uint32),
+                                         (mx.int32, np.int64, np.uint32), (mx.bool_, np.int64, np.uint8)):
+        values, bits = gates.host(mx.zeros((0, 3), dtype))
+        assert (values.shape, values.dtype, bits.shape, bits.dtype) == ((0, 3), value_type, (0, 3), bits_type)
+    record = _toy()
+    case = gates.make_case(record, record.edges[1], 0, np.random.default_rng(0))
+    assert gates.compare(record, case, {"y": Untouchable()}, {"y": np.zeros((0, 256))})[0]
+
+
+def _fake_gpu(mlx_version: str):
+    """The CPU dressed as a CUDA device for composed ops: where findings with backend="cuda" apply."""
+    return devices.Device("cuda", "a CUDA device (faked on the CPU)", mlx_version, ("mlx",), None)
+
+
+def _fails_on(*labels):
+    def impl(case):
+        if case.shape.label in labels:
+            raise RuntimeError("cudaGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: invalid argument")
+        return _double(case)
+
+    return impl
+
+
+def test_a_finding_excuses_only_its_case_symptom_backend_and_mlx_version():
+    import mlx.core as mx
+
+    from tensorfold_contract import Finding
+
+    finding = Finding("MLX's empty launch", "mlx", 3, backend="cuda", case="empty", symptom="cudaGraphAddKernelNode",
+                      mlx=mx.__version__)
+    report = run_contract(pm=_manager(_toy(impl=_fails_on("empty"), findings=(finding,))), seed=1,
+                          device=_fake_gpu(mx.__version__))
+    mlx = report.kernels[0].implementations["mlx"]
+    assert mlx.status == "known findings" and mlx.gates[3].status == "known" and report.ok
+    assert mlx.gates[3].detail.startswith("empty: RuntimeError: cudaGraphAddKernelNode")
+    assert mlx.gates[3].detail.endswith("[known finding: MLX's empty launch]")
+    assert report.summary()["known_findings"] == 1 and mlx.gates[3].as_json()["failed"] == ["empty"]
+
+    def gate_3(record, device):
+        return run_contract(pm=_manager(record), seed=1, device=device).kernels[0].implementations["mlx"].gates[3]
+
+    # another red case in the same gate is not excused, and the gate names both
+    both = gate_3(_toy(impl=_fails_on("1 row", "empty"), findings=(finding,)), _fake_gpu(mx.__version__))
+    assert both.status == "fail" and [label for label, _ in both.failures] == ["1 row", "empty"]
+    assert both.detail.startswith("1 row: RuntimeError") and "[known finding: MLX's empty launch]" in both.detail
+    # another symptom on the same case, another backend, another MLX version: red
+    other = dataclasses.replace(finding, symptom="out of memory")
+    assert gate_3(_toy(impl=_fails_on("empty"), findings=(other,)), _fake_gpu(mx.__version__)).status == "fail"
+    assert gate_3(_toy(impl=_fails_on("empty"), findings=(finding,)), devices.current()).status == "fail"
+    later = gate_3(_toy(impl=_fails_on("empty"), findings=(finding,)), _fake_gpu("9.9.9"))
+    assert later.status == "fail"
+    assert f"a known finding matches on mlx {mx.__version__}, not on mlx 9.9.9: re-check it there" in later.detail
+
+
+def test_the_llama_findings_name_edges_of_their_records_and_apply_only_to_mlx_on_cuda():
+    from tensorfold_contract.runner import discover
+
+    records = {r.record.name: r.record for r in discover() if r.record is not None}
+    named = {}
+    for record in records.values():
+        for finding in record.findings:
+            assert finding.kind == "mlx" and finding.backend == "cuda", (record.name, finding)
+            if finding.case is not None:
+                assert finding.case in {s.label for s in (*record.shapes, *record.edges)}, (record.name, finding)
+                assert finding.mlx == "0.32.4" and finding.symptom
+                named[record.name] = (finding.gate, finding.case)
+    assert named == {"llama rmsnorm": (3, "empty"), "llama gemv q4": (3, "K=64, one group"),
+                     "llama gemv q8": (3, "K=64, one group")}
+
+
+def test_isolation_finds_records_through_entry_points_so_it_takes_no_plugin_manager():
+    with pytest.raises(ValueError, match="pass no pm"):
+        run_contract(pm=_manager(_toy()), seed=1, isolate=True)
+    assert run_contract(pm=_manager(_toy()), seed=1, device=_fake_gpu("0.32.4")).isolated is False
+    assert run_contract(only=["llama rmsnorm"], seed=1).isolated is False  # the CPU runs in one process

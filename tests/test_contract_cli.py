@@ -112,3 +112,68 @@ def test_the_contract_runs_without_the_server_and_its_dependencies():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["summary"]["kernels"] == 1 and report["ok"] is True
+
+
+CRASHY = textwrap.dedent('''
+    """A third-party plugin whose implementation dies of SIGSEGV on the empty call, as MLX did on the H200."""
+    import os
+    import signal
+
+    import numpy as np
+
+    from tensorfold_contract import Control, KernelRecord, Shape, Tolerance, variant
+    from tensorfold_core import hookimpl
+
+
+    def double(case):
+        if case.rows == 0:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return {"y": case.array("x") * 2}
+
+
+    def crash(case):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+    def record(name, impl, controls):
+        return KernelRecord(
+            name=name, family="crashfam",
+            make=lambda dims, rows, rng: {"x": rng.standard_normal((rows, dims["n"])).astype(np.float32)},
+            reference=lambda case: {"y": 2 * case["x"].astype(np.float64)},
+            implementations={"mlx": impl},
+            shapes=(Shape("n=64", {"n": 64}),), edges=(Shape("1 row", {"n": 3}, 1), Shape("empty", {"n": 3}, 0)),
+            tolerance=Tolerance(rtol=1e-6), row_inputs=("x",), controls=tuple(controls))
+
+
+    TRIPLED = Control("tripled", "mlx", 2, variant(lambda case: {"y": case.array("x") * 3}))
+
+
+    @hookimpl
+    def tensorfold_kernels():
+        return [record("crashy double", double, [TRIPLED, Control("crashes", "mlx", 2, variant(crash)), TRIPLED]),
+                record("steady double", lambda case: {"y": case.array("x") * 2}, [TRIPLED, TRIPLED])]
+''')
+
+
+def test_isolated_a_segfault_fails_its_step_and_the_rest_of_the_record_and_the_run_go_on(tmp_path):
+    (tmp_path / "crashy_kernels.py").write_text(CRASHY)
+    info = tmp_path / "crashy_kernels-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: crashy-kernels\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[tensorfold]\ncrashy = crashy_kernels\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "tensorfold_contract", "--only", "crashfam", "--isolate", "--seed",
+                           "4"], env=env, capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith("seed 4, each record isolated")
+    assert any(line.startswith("crashy double") and "mlx    fail  1:pass  2:pass  3:fail" in line for line in lines)
+    assert any("gate 3: empty: crashed (signal 11, SIGSEGV) in double() at crashy_kernels.py:" in line
+               for line in lines), done.stdout
+    # the controls after the crash ran in a fresh child; the one that crashes proves nothing and is missed
+    assert done.stdout.count("control [mlx] tripled -> gate 2: red as planted") == 4
+    assert "control [mlx] crashes -> gate 2: MISSED (crashed (signal 11, SIGSEGV) in crash() at crashy_kernels.py:" \
+        in done.stdout
+    assert any(line.startswith("steady double") and "mlx    pass" in line for line in lines)
+    assert lines[-1] == ("SUMMARY 2 kernels: 1 pass gates 1-4, 1 fail, 0 known findings; 5 controls: 4 red as "
+                         "planted, 1 missed; 0 limit problems")

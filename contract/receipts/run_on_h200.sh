@@ -4,6 +4,8 @@
 # nothing is pip-installed and nothing outside numpy, pluggy and MLX is imported (no server, no pydantic).
 # Usage, from the repository root:  bash contract/receipts/run_on_h200.sh [contract|bench|all]   (default: all)
 # TF_CONTRACT_ARGS passes flags on, e.g. TF_CONTRACT_ARGS="--seed 7 --only *gemv*" (globs with no spaces).
+# On a GPU each record runs in a child process of its own (--isolate is the default there): a crash in MLX fails
+# the step it hit ("crashed (signal 11, SIGSEGV) in host() at gates.py:N") and the run and its JSON go on.
 # Writes $OUT/contract.json, $OUT/contract.txt, $OUT/gemv.json, $OUT/gemv.txt and $OUT/env.txt.
 set -uo pipefail
 what="${1:-all}"
@@ -71,7 +73,7 @@ for k in r["kernels"]:
 s = r["summary"]
 print(f"SUMMARY {s['kernels']} kernels: {s['pass']} pass gates 1-4, {s['fail']} fail, {s['known_findings']} known "
       f"findings; {s['controls']} controls: {s['red']} red as planted, {s['missed']} missed; "
-      f"{s['limit_problems']} limit problems  (seed {r['seed']})")
+      f"{s['limit_problems']} limit problems  (seed {r['seed']}{', each record isolated' if r.get('isolated') else ''})")
 PY
   tail -5 "$out/contract.err"
 fi
