@@ -1,0 +1,55 @@
+"""tiny-lfm2-moe served over HTTP with the openai client: replies exact under copy drafts, and resumed."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tensorfold_core.host import load_host
+from tensorfold_core.options import ServeOptions
+from tensorfold_core.server import start_in_thread
+from tensorfold_lfm2 import plugin
+
+PROMPTS = ["import os\nimport sys\nimport os", "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+           "def main(argv):\n    for arg in argv:\n", "for i in range(10):\n    print(i)\nfor i in range("]
+
+
+@pytest.fixture(scope="module")
+def client():
+    if not (plugin.MODELS / "tiny-lfm2-moe").is_dir():
+        pytest.skip("tiny-lfm2-moe is not shipped in this checkout")
+    host = load_host("tiny-lfm2-moe", ServeOptions(parallel=4, context=512))
+    server = start_in_thread(host)
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    server.stop()
+    host.close()
+
+
+def ask(client, i, draft=True):
+    sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": i}
+    return client.completions.create(model="tiny-lfm2-moe", prompt=PROMPTS[i], max_tokens=32,
+                                     extra_body={"return_token_ids": True, "draft": draft}, **sampling)
+
+
+def test_a_chat_completion_over_http_answers_with_usage(client):
+    reply = client.chat.completions.create(model="tiny-lfm2-moe", max_tokens=16, temperature=0,
+                                           messages=[{"role": "user", "content": "def fib(n):"}])
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens > 0
+
+
+def test_concurrent_drafted_replies_equal_the_serial_reference(client):
+    serial = [ask(client, i, draft=False).choices[0].token_ids for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        drafted = list(pool.map(lambda i: ask(client, i), range(len(PROMPTS))))
+    assert [r.choices[0].token_ids for r in drafted] == serial
+    stats = [r.usage.model_extra["tensorfold"] for r in drafted]
+    assert sum(s["drafted"] for s in stats) > 0
+
+
+def test_a_repeated_prompt_resumes_its_kept_state_and_equals_the_first_reply(client):
+    first = ask(client, 0)
+    again = ask(client, 0)
+    assert again.choices[0].token_ids == first.choices[0].token_ids
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
