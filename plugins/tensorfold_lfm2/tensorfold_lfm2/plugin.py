@@ -36,3 +36,10 @@ SHIPPED = [
 @hookimpl
 def tensorfold_models():
     return [ShippedModel(path=MODELS / spec["name"], **spec) for spec in SHIPPED if (MODELS / spec["name"]).is_dir()]
+
+
+@hookimpl
+def tensorfold_kernels():
+    from .kernels import records  # mlx and the contract load only when the contract runs
+
+    return records()
