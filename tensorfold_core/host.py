@@ -38,7 +38,7 @@ class Host:
     """Owns the model and the one thread that runs MLX; the server talks to it through submit and cancel."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, options: ServeOptions, *, model_id: str,
-                 context: int, info: dict | None = None, drafter=None, start: bool = True):
+                 context: int, info: dict | None = None, drafter=None, start: bool = True, timed: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
@@ -53,7 +53,7 @@ class Host:
         self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=shared,
                                    marks=options.prefill_chunk)
         self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared, drafter=drafter,
-                             timed=True, on_leave=self.admission.leave)
+                             timed=timed, on_leave=self.admission.leave)
         memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
                   "prompt_cache_resumes": shared}
         self._capabilities = capabilities(options, extra={"model": model_id, "context": context,
@@ -203,8 +203,9 @@ def load_target(model: str | None, options: ServeOptions, progress: Callable[[st
 
 
 def load_host(model: str | None, options: ServeOptions,
-              progress: Callable[[str], None] = lambda stage: None) -> Host:
-    """Load the target and its drafter, and start the engine thread over them."""
+              progress: Callable[[str], None] = lambda stage: None, timed: bool = True) -> Host:
+    """Load the target and its drafter, and start the engine thread over them (untimed: depths never read the
+    clock, so tests see the same drafts however busy the machine is)."""
     from .drafting import drafter_name, start_drafter
 
     name, loaded, tokenizer, ckpt, probe = load_target(model, options, progress)
@@ -220,4 +221,5 @@ def load_host(model: str | None, options: ServeOptions,
     model_id = options.model_name or name
     info = {"row_invariance": probe, "checkpoint": str(ckpt.path), "model_type": ckpt.model_type,
             "drafter": draft_name if drafter is not None else None}
-    return Host(loaded, tokenizer, options, model_id=model_id, context=context, info=info, drafter=drafter)
+    return Host(loaded, tokenizer, options, model_id=model_id, context=context, info=info, drafter=drafter,
+                timed=timed)

@@ -1,9 +1,19 @@
-"""Helpers for tests of core and plugins: real tiny checkpoints written by transformers' save_pretrained."""
+"""Helpers for tests of core and plugins: tiny real checkpoints, reference logits, round-by-round engine runs."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .lanes.engine import Engine
+from .lanes.stream import Stream
+from .lanes.types import DoneEvent, GenerationRequest, TokenEvent
+
+PROMPT = [5, 77, 301, 12, 190, 44, 9, 256, 3, 120, 66, 350, 21, 8, 143, 99, 270, 31, 7, 200]
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -60,8 +70,6 @@ def tiny_llama_checkpoint(path: Path, seed: int = 0, dtype: str = "float32", **o
 
 def truncated_drafter(target: Path, path: Path, layers: int = 1, vocab_size: int = 448) -> Path:
     """A drafter cut from a target's first layers, its vocab padded wider, on the same tokenizer files."""
-    import shutil
-
     from safetensors.numpy import load_file, save_file
 
     target, path = Path(target), Path(path)
@@ -75,8 +83,6 @@ def truncated_drafter(target: Path, path: Path, layers: int = 1, vocab_size: int
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
             continue
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            import numpy as np
-
             tensor = np.concatenate([tensor, np.zeros((vocab_size - old_vocab, tensor.shape[1]), tensor.dtype)])
         weights[name] = tensor
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -88,11 +94,106 @@ def truncated_drafter(target: Path, path: Path, layers: int = 1, vocab_size: int
 
 def mlx_quantized_copy(source: Path, path: Path, bits: int = 4, group_size: int = 64) -> Path:
     """mlx-lm's own affine conversion of a checkpoint, with the source's tokenizer files kept byte-identical."""
-    import shutil
-
     from mlx_lm import convert
 
     convert(str(source), mlx_path=str(path), quantize=True, q_bits=bits, q_group_size=group_size)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(source) / name, Path(path) / name)
     return Path(path)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint dir, to edit without touching a session's fixture."""
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes) -> None:
+    """Change config.json keys; a value of ... removes the key."""
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is ...]:
+        config.pop(key)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def transformers_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    """Every row's logits from transformers in float32 (torch, CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), use_cache=False).logits[0].float().numpy()
+
+
+def mlx_lm_logits(path: Path, tokens: list[int], dtype: mx.Dtype | None = None) -> mx.array:
+    """Every row's logits from mlx-lm's own loader and model (set to `dtype` if given), as float32."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(path))
+    if dtype is not None:
+        model.set_dtype(dtype)
+    return model(mx.array([tokens]))[0].astype(mx.float32)
+
+
+def window_logits(model, tokens: list[int], windows: list[int] | None = None, capacity: int = 64) -> mx.array:
+    """Every row's logits of `tokens` run on one fresh cache as consecutive windows (one window by default)."""
+    cache, rows, at = model.new_cache(capacity), [], 0
+    for size in windows or [len(tokens)]:
+        rows.append(model.forward([cache], [tokens[at:at + size]], [size]))
+        model.keep(cache, size)
+        at += size
+    return mx.concatenate(rows)
+
+
+class Run:
+    """Drives an engine round by round: arrivals join between rounds up to `parallel` streams."""
+
+    def __init__(self, model, parallel, chunk=8):
+        self.model, self.parallel = model, parallel
+        self.engine = Engine(model, prefill_chunk=chunk)
+        self.events: dict[int, list] = {}
+        self.waiting = []
+        self.round_rows = []
+
+    def submit(self, sid, request):
+        self.events[sid] = []
+        self.waiting.append((sid, request))
+
+    def admit(self):
+        while self.waiting and len(self.engine.streams) < self.parallel:
+            sid, request = self.waiting.pop(0)
+            limit = len(request.prompt_ids) + request.max_tokens
+            self.engine.add(Stream(id=sid, request=request, cache=self.model.new_cache(limit),
+                                   on_event=self.events[sid].append, limit=limit))
+
+    def step(self):
+        self.admit()
+        self.round_rows.append([len(t.window) for t in self.engine.plan()])
+        return self.engine.round()
+
+    def finish(self):
+        while self.waiting or not self.engine.idle():
+            self.step()
+
+    def tokens(self, sid):
+        return [t for e in self.events[sid] if isinstance(e, TokenEvent) for t in e.token_ids]
+
+    def done(self, sid):
+        return next(e for e in self.events[sid] if isinstance(e, DoneEvent))
+
+
+def serial(request: GenerationRequest) -> GenerationRequest:
+    """The same request as the serial reference: one token a round, no drafts."""
+    return GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=request.max_tokens,
+                             sampling=request.sampling, stop_token_ids=request.stop_token_ids, draft=False)
+
+
+def solo(model, request: GenerationRequest) -> list[int]:
+    """The request's token ids, alone on the engine; a serial request is checked to have carried no drafts."""
+    run = Run(model, parallel=1)
+    run.submit(0, request)
+    run.finish()
+    assert request.draft or run.done(0).usage["tensorfold"]["drafted"] == 0
+    return run.tokens(0)

@@ -5,11 +5,9 @@ import random
 import pytest
 
 from tensorfold_core.checkpoint import load_model
-from tensorfold_core.lanes.engine import Engine
-from tensorfold_core.lanes.stream import Stream
-from tensorfold_core.lanes.types import DoneEvent, GenerationRequest, TokenEvent
+from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.sampling import SamplingParams
-from tensorfold_core.testing import tiny_llama_checkpoint
+from tensorfold_core.testing import Run, serial, solo, tiny_llama_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -26,50 +24,6 @@ def make_requests(n, seed=0):
         sampling = SamplingParams() if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i)
         requests.append(GenerationRequest(prompt_ids=prompt, max_tokens=rng.randrange(4, 20), sampling=sampling))
     return requests
-
-
-class Run:
-    """Drives an engine round by round: arrivals join between rounds up to `parallel` streams."""
-
-    def __init__(self, model, parallel, chunk=8):
-        self.model, self.parallel = model, parallel
-        self.engine = Engine(model, prefill_chunk=chunk)
-        self.events: dict[int, list] = {}
-        self.waiting = []
-        self.round_rows = []
-
-    def submit(self, sid, request):
-        self.events[sid] = []
-        self.waiting.append((sid, request))
-
-    def admit(self):
-        while self.waiting and len(self.engine.streams) < self.parallel:
-            sid, request = self.waiting.pop(0)
-            limit = len(request.prompt_ids) + request.max_tokens
-            self.engine.add(Stream(id=sid, request=request, cache=self.model.new_cache(limit),
-                                   on_event=self.events[sid].append, limit=limit))
-
-    def step(self):
-        self.admit()
-        self.round_rows.append([len(t.window) for t in self.engine.plan()])
-        return self.engine.round()
-
-    def finish(self):
-        while self.waiting or not self.engine.idle():
-            self.step()
-
-    def tokens(self, sid):
-        return [t for e in self.events[sid] if isinstance(e, TokenEvent) for t in e.token_ids]
-
-    def done(self, sid):
-        return next(e for e in self.events[sid] if isinstance(e, DoneEvent))
-
-
-def solo(model, request):
-    run = Run(model, parallel=1)
-    run.submit(0, request)
-    run.finish()
-    return run.tokens(0)
 
 
 @pytest.mark.parametrize("parallel", [1, 2, 4, 8])
@@ -132,11 +86,6 @@ def test_a_stop_token_ends_the_stream_and_is_not_shown(model):
     assert run.tokens(0) == reply[:first]
     assert run.done(0).finish_reason == "stop"
     assert run.done(0).usage["completion_tokens"] == first + 1
-
-
-def serial(request):
-    return GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=request.max_tokens,
-                             sampling=request.sampling, stop_token_ids=request.stop_token_ids, draft=False)
 
 
 def looping_requests():

@@ -33,7 +33,8 @@ def served(request, pair, tmp_path_factory):
     target, drafter = pair
     if request.param == "4bit":
         drafter = mlx_quantized_copy(drafter, tmp_path_factory.mktemp("q") / "drafter-4bit")
-    host = load_host(str(target), ServeOptions(parallel=8, context=256, drafter=str(drafter), model_name="x"))
+    host = load_host(str(target), ServeOptions(parallel=8, context=256, drafter=str(drafter), model_name="x"),
+                     timed=False)
     assert host.drafter is not None
     server = start_in_thread(host)
     yield server
@@ -82,7 +83,8 @@ def test_drafts_are_offered_and_some_land(client):
 def served_two(pair):
     """Two streams at most, so a third request queues."""
     target, drafter = pair
-    host = load_host(str(target), ServeOptions(parallel=2, context=256, drafter=str(drafter), model_name="x"))
+    host = load_host(str(target), ServeOptions(parallel=2, context=256, drafter=str(drafter), model_name="x"),
+                     timed=False)
     server = start_in_thread(host)
     yield server
     server.stop()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from lfm2_helpers import DRAFTS, PROMPT
+from lfm2_helpers import DRAFTS
 from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.testing import PROMPT
 from tensorfold_lfm2.load import load
 
 MARKS = 4

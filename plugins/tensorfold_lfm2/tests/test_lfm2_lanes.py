@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from lfm2_helpers import Run, Spy, solo
+from lfm2_helpers import Spy, solo
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.sampling import SamplingParams
+from tensorfold_core.testing import Run
 from tensorfold_lfm2.load import load
 
 KINDS = [("lfm2", "auto"), ("moe", "auto"), ("moe", "4-bit")]

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from lfm2_helpers import PROMPT, copy_checkpoint, edit_config, mlx_lm_logits, run, transformers_logits
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.protocols import Model
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import PROMPT, copy_checkpoint, edit_config, mlx_lm_logits, transformers_logits
+from tensorfold_core.testing import window_logits as run
 from tensorfold_lfm2.lfm2_moe import QuantizedSwitchLinear
 from tensorfold_lfm2.load import load
 

@@ -20,7 +20,7 @@ PROMPTS = ["import os\nimport sys\nimport os", "class Point:\n    def __init__(s
 def client():
     if not (plugin.MODELS / "tiny-lfm2-moe").is_dir():
         pytest.skip("tiny-lfm2-moe is not shipped in this checkout")
-    host = load_host("tiny-lfm2-moe", ServeOptions(parallel=4, context=512))
+    host = load_host("tiny-lfm2-moe", ServeOptions(parallel=4, context=512), timed=False)
     server = start_in_thread(host)
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
     server.stop()

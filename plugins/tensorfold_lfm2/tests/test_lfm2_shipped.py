@@ -5,12 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from lfm2_helpers import DRAFTS, Run, Spy, mlx_lm_logits, run, solo
+from lfm2_helpers import DRAFTS, Spy, solo
 from tensorfold_core.checkpoint import load_model
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import Run, mlx_lm_logits, window_logits as run
 from tensorfold_lfm2 import plugin
 
 CODE = ["import os\nimport sys\nimport os.path\n\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n\n\n"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from lfm2_helpers import DRAFTS, PROMPT, run
+from lfm2_helpers import DRAFTS
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.probe import row_invariance
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import PROMPT, window_logits as run
 from tensorfold_lfm2.load import load
 
 KINDS = [("lfm2", "float32"), ("lfm2", "bfloat16"), ("lfm2", "4-bit"),

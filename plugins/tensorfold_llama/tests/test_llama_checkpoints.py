@@ -7,12 +7,12 @@ import json
 import mlx.core as mx
 import pytest
 
-from llama_helpers import PROMPT, copy_checkpoint, edit_config, run
 from tensorfold_core.checkpoint import Checkpoint, load_model, resolve_model
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.specs import ShippedModel
 from tensorfold_core import hookimpl
+from tensorfold_core.testing import PROMPT, copy_checkpoint, edit_config, window_logits as run
 from tensorfold_llama import plugin
 
 

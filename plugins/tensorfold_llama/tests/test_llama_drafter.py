@@ -11,14 +11,13 @@ import weakref
 import mlx.core as mx
 import pytest
 
-from llama_helpers import PROMPT, copy_checkpoint
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError, OptionError
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.protocols import DraftAsk
 from tensorfold_core.specs import LoadOptions
-from tensorfold_core.testing import write_tokenizer
+from tensorfold_core.testing import PROMPT, copy_checkpoint, write_tokenizer
 from tensorfold_llama import drafter as drafter_module
 from tensorfold_llama import plugin
 from tensorfold_llama.drafter import DrafterOptions, LlamaDrafter, admit, start, tokenizer_difference

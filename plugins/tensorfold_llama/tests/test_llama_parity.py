@@ -7,12 +7,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from llama_helpers import PROMPT, copy_checkpoint, edit_config, mistral_checkpoint, mlx_lm_logits, run, \
-    transformers_logits
+from llama_helpers import mistral_checkpoint
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import OptionError
 from tensorfold_core.protocols import Model
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import PROMPT, copy_checkpoint, edit_config, mlx_lm_logits, transformers_logits
+from tensorfold_core.testing import window_logits as run
 from tensorfold_llama.load import load
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

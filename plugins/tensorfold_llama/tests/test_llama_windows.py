@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from llama_helpers import PROMPT, run
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.probe import row_invariance
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import PROMPT, window_logits as run
 from tensorfold_llama.load import load
 
 DRAFTS = [33, 260, 7, 140, 81, 2, 377, 64]
