@@ -88,11 +88,12 @@ class Engine:
                 window = stream.window(self.prefill_chunk)
             draws = stream.cache.offset + len(window) == len(stream.tokens)
             turns.append(Turn(stream, window, draws))
-        self._propose([t for t in turns if t.draws])
+        self._propose(turns)
         return turns
 
     def _propose(self, turns: list[Turn]) -> None:
-        """Copies first (free), the drafter for the rest; the planner prices every drawing window's depth."""
+        """Copies first (free), the drafter for the rest; the planner prices every drawing window's depth
+        (prompt chunks in the round count as its extra rows)."""
         self._asked = [t for t in turns if t.draws] if self.shared_rounds else []
         if not self._asked:
             return
