@@ -154,7 +154,10 @@ def capabilities(as_json):
     from .host import capabilities as caps
     from .backend import backend_row_invariance
 
-    info = caps(ServeOptions(), extra={"row_invariance": backend_row_invariance()})
+    from .memory.ledger import default_budget
+
+    info = caps(ServeOptions(), extra={"row_invariance": backend_row_invariance(),
+                                       "memory": {"default_budget_bytes": default_budget()}})
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return

@@ -152,7 +152,9 @@ class Host:
                 "queued": self.queued(), "rounds": self.engine.rounds, "memory": self.admission.snapshot()}
 
     def capabilities(self) -> dict:
-        return self._capabilities  # worked out at load: MLX is touched only by the loading and engine threads
+        # the static part was worked out at load (MLX is touched only by the loading and engine threads)
+        live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued()}
+        return {**self._capabilities, **live}
 
     def close(self) -> None:
         self._closed = True

@@ -221,3 +221,11 @@ def test_health_shows_the_memory_budget_held_bytes_and_kept_states(served):
     memory = health["memory"]
     assert memory["budget_bytes"] > 0 and memory["held_bytes"] <= memory["budget_bytes"]
     assert "kept_states" in memory["prompt_cache"] and "queued" in health
+
+
+def test_capabilities_show_the_live_memory_ledger_and_the_queue(served):
+    caps = httpx.get(served.url + "/v1/capabilities").json()
+    memory = caps["memory"]
+    assert 0 <= memory["held_bytes"] <= memory["budget_bytes"]
+    assert sum(memory["held_by_kind"].values()) == memory["held_bytes"]
+    assert {"held_by_kind", "prompt_cache", "budget_bytes"} <= set(caps["memory"]) and caps["queued"] == 0
