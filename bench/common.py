@@ -1,16 +1,49 @@
-"""Helpers for benchmarks: a fresh `tensorfold serve` subprocess per cell, and the openai client."""
+"""Helpers for benchmarks: a fresh `tensorfold serve` subprocess per cell, the openai client, prompts, checks."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
+import platform
+import random
 import re
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
+
+MODEL = "tiny-llama"
+OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+            "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+# Python the tiny models continue for a while (none of these draws an eos first under greedy decoding)
+SHORT_PROMPTS = ["def ", "import os\n", "class Foo:\n    def ", "from collections import", "def test_",
+                 "for i in range(", "    @property\n    def ", "try:\n    import"]
+LONG_PROMPTS = [
+    'import os\nimport re\nimport sys\nfrom collections import namedtuple\n\n__all__ = ["Entry", "scan", "main"]\n\n'
+    'Entry = namedtuple("Entry", "path size mtime")\n\n\ndef scan(root, pattern=None):\n    """Yield an Entry for '
+    'every file under root whose name matches pattern."""\n    regex = re.compile(pattern) if pattern else None\n'
+    '    for dirpath, dirnames, filenames in os.walk(root):\n        dirnames.sort()\n        for name in '
+    'sorted(filenames):\n            if regex is not None and not regex.search(name):\n                continue\n'
+    '            path = os.path.join(dirpath, name)\n            try:\n                st = os.stat(path)\n'
+    '            except OSError:\n                continue\n            yield Entry(path, st.st_size, st.st_mtime)'
+    '\n\n\ndef main(args=None):\n    if args is None:\n        args = sys.argv[1:]\n',
+    'import unittest\nfrom test import support\n\n\nclass ListTests(unittest.TestCase):\n\n    def setUp(self):\n'
+    '        self.items = [3, 1, 2]\n\n    def test_sort(self):\n        self.items.sort()\n'
+    '        self.assertEqual(self.items, [1, 2, 3])\n\n    def test_reverse(self):\n        self.items.reverse()\n'
+    '        self.assertEqual(self.items, [2, 1, 3])\n\n    def test_index(self):\n',
+    'class Queue:\n    """A simple FIFO queue built on a list."""\n\n    def __init__(self, maxsize=0):\n'
+    '        self.maxsize = maxsize\n        self._items = []\n\n    def __len__(self):\n'
+    '        return len(self._items)\n\n    def empty(self):\n        return not self._items\n\n    def full(self):\n'
+    '        return 0 < self.maxsize <= len(self._items)\n\n    def put(self, item):\n        if self.full():\n'
+    '            raise ValueError("queue is full")\n        self._items.append(item)\n\n    def get(self):\n',
+]
+CODE_PROMPTS = SHORT_PROMPTS + LONG_PROMPTS
 
 
 def free_port() -> int:
@@ -24,14 +57,16 @@ def server(model: str | None, *flags: str, env: dict | None = None, timeout: flo
     """A fresh server process; yields its base URL and stops it afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "tensorfold_core", "serve", *([model] if model else []), "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    # stderr goes to a file: a pipe nobody reads would block the server once its logs fill the pipe's buffer
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"server exited: {log.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -45,16 +80,135 @@ def server(model: str | None, *flags: str, env: dict | None = None, timeout: flo
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def openblas_env() -> dict:
     """LD_PRELOAD of Debian's pthread OpenBLAS where installed, so MLX's CPU matmuls use it."""
-    for path in ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-                 "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0"):
+    for path in OPENBLAS:
         if os.path.exists(path):
             return {"LD_PRELOAD": path}
     return {}
 
 
+def blas_env(blas: str) -> dict:
+    """The environment of a BLAS setting: 'bundled' (MLX's own), 'openblas', or 'openblas-skylakex'."""
+    if blas == "bundled":
+        return {}
+    env = openblas_env()
+    if not env:
+        raise SystemExit(f"--blas {blas}: Debian's libopenblas0-pthread is not installed")
+    return {**env, "OPENBLAS_CORETYPE": "SkylakeX"} if blas == "openblas-skylakex" else env
+
+
 def words(text: str) -> list[str]:
     return re.findall(r"\S+", text)
+
+
+def tokenize(prompts: list[str], model: str = MODEL) -> list[list[int]]:
+    """Prompt ids by the model's own tokenizer, so every cell (and mlx-lm) reads the same ids."""
+    from tensorfold_core.checkpoint import Checkpoint, resolve_model
+
+    tokenizer = Checkpoint.open(resolve_model(model)).tokenizer()
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def model_dir(model: str) -> str:
+    from tensorfold_core.checkpoint import resolve_model
+
+    return str(resolve_model(model))
+
+
+def random_prompts(count: int, length: int, vocab: int = 8192, seed: int = 0) -> list[list[int]]:
+    """Uniform random token ids above the special tokens: text no drafter has seen."""
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def complete(client, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int | None = None,
+             draft: bool = True, stream: bool = True) -> dict:
+    """One completion; its token ids, finish reason, draft stats, and times (seconds since the request)."""
+    body = {"draft": draft, "return_token_ids": True}
+    start = time.perf_counter()
+    if not stream:
+        reply = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=max_tokens,
+                                          temperature=temperature, seed=seed, extra_body=body)
+        wall = time.perf_counter() - start
+        choice = reply.choices[0]
+        return {"ids": list(getattr(choice, "token_ids", None) or []), "finish": choice.finish_reason,
+                "stats": _tensorfold(reply.usage), "first": None, "last": wall, "wall": wall}
+    chunks = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                                       seed=seed, stream=True, stream_options={"include_usage": True},
+                                       extra_body=body)
+    ids, first, last, finish, stats = [], None, None, None, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            new = getattr(choice, "token_ids", None) or []
+            if new:
+                last = time.perf_counter() - start
+                first = last if first is None else first
+                ids += new
+            finish = choice.finish_reason or finish
+        if chunk.usage is not None:
+            stats = _tensorfold(chunk.usage)
+    return {"ids": ids, "finish": finish, "stats": stats, "first": first, "last": last,
+            "wall": time.perf_counter() - start}
+
+
+def _tensorfold(usage) -> dict:
+    extra = getattr(usage, "model_extra", None) or {}
+    return dict(extra.get("tensorfold") or {})
+
+
+def decode_rate(replies: list[dict]) -> float:
+    """Decode tokens per second over replies: tokens after each first one, over first-to-last token time."""
+    tokens = sum(max(len(r["ids"]) - 1, 0) for r in replies)
+    seconds = sum(r["last"] - r["first"] for r in replies if r["first"] is not None)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def capabilities(url: str) -> dict:
+    return httpx.get(url + "/v1/capabilities", timeout=10).json()
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None when equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+def median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table, so the output pastes into docs/performance.md as it is."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
+    return "\n".join([line(headers), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, cells)])
+
+
+def platform_lines(blas: str | None = None) -> list[str]:
+    """The machine a run measured: CPU model, cores, load, MLX and mlx-lm versions, BLAS."""
+    cpu = platform.processor() or "?"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    versions = []
+    for name in ("mlx", "mlx-lm", "openai"):
+        with contextlib.suppress(Exception):
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines = [f"platform: {platform.platform()}; CPU: {cpu}, {os.cpu_count()} cores; load average {load}",
+             f"versions: python {platform.python_version()}, {', '.join(versions)}"]
+    if blas is not None:
+        lines.append(f"BLAS: {blas}")
+    return lines

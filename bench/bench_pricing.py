@@ -1,0 +1,135 @@
+"""The depth rule against measurement: priced drafter rounds vs fixed depths and plain, in-process, ids first."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from common import LONG_PROMPTS, MODEL, SHORT_PROMPTS, median, platform_lines, random_prompts, spread, table
+
+WORKLOADS = {
+    "short": "the short code prompts on a fresh engine",
+    "long": "the long code contexts (106-202 prompt tokens) on a fresh engine",
+    "after-random": "the short code prompts after --random-streams random-token streams at temperature 1.0",
+}
+
+
+class Timed:
+    """Wraps a drafter's propose: (ms, rows fed, deepest chain) of every call."""
+
+    def __init__(self, drafter):
+        self.drafter, self.calls = drafter, []
+        self._propose = drafter.propose
+        drafter.propose = self.propose
+
+    def propose(self, asks):
+        rows, start = self.drafter.stats["rows"], time.perf_counter()
+        out = self._propose(asks)
+        self.calls.append(((time.perf_counter() - start) * 1000, self.drafter.stats["rows"] - rows,
+                           max(a.depth for a in asks)))
+        return out
+
+    def step_ms(self) -> float:
+        """A chain step's time where the chain fed at most two rows first (no catch-up)."""
+        return median(ms / depth for ms, rows, depth in self.calls if rows <= depth + 1)
+
+    def largest_feed(self) -> int:
+        return max((rows for _, rows, _ in self.calls), default=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--depths", default="1,2,3", help="fixed depths to compare (check mode's windows)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
+    parser.add_argument("--random-streams", type=int, default=12)
+    parser.add_argument("--drafter", default="tiny-llama-drafter")
+    args = parser.parse_args()
+
+    from tensorfold_core.drafting import start_drafter
+    from tensorfold_core.host import load_target
+    from tensorfold_core.lanes.engine import Engine
+    from tensorfold_core.lanes.stream import Stream
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.options import ServeOptions
+    from tensorfold_core.sampling import SamplingParams
+
+    _, model, tokenizer, _, probe = load_target(MODEL, ServeOptions(dtype=args.dtype))
+    if not probe.get("row_invariant"):
+        print(f"row-invariance probe failed ({probe.get('detail')}): no drafting to price")
+        return 1
+    ids = iter(range(1, 1 << 30))
+
+    def decode(engine, prompt: list[int], temperature: float = 0.0) -> tuple[list[int], float, object]:
+        """One stream alone through `engine`: its tokens, decode tok/s after the prefill round, its stats."""
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=args.tokens,
+                                    sampling=SamplingParams(temperature=temperature, seed=7),
+                                    stop_token_ids=frozenset(tokenizer.eos_ids))
+        stream = Stream(id=next(ids), request=request, cache=model.new_cache(len(prompt) + args.tokens),
+                        on_event=lambda event: None, limit=len(prompt) + args.tokens)
+        engine.add(stream)
+        engine.round()  # the prompt
+        before, start = stream.generated, time.perf_counter()
+        engine.run_until_idle()
+        return stream.tokens[len(prompt):], (stream.generated - before) / (time.perf_counter() - start), stream.stats
+
+    def drafter():
+        return start_drafter(args.drafter, None, model, tokenizer, dtype=args.dtype)
+
+    print("\n".join(platform_lines("bundled")))
+    print(f"in-process engines (copy drafts off, so only the drafter is priced), {args.tokens} tokens greedy, dtype "
+          f"{args.dtype}, {args.reps} reps; engines alternate per prompt; each engine keeps its costs across prompts")
+    ok = True
+    depths = [int(d) for d in args.depths.split(",")]
+    for workload in args.workloads.split(","):
+        texts = LONG_PROMPTS if workload == "long" else SHORT_PROMPTS[:4]
+        prompts = [tokenizer.encode(t) for t in texts]
+        priced = Timed(drafter())
+        engines = {"plain": Engine(model, timed=True, copy_drafts=False),
+                   "priced": Engine(model, drafter=priced.drafter, timed=True, copy_drafts=False)}
+        for d in depths:
+            engines[f"fixed {d}"] = Engine(model, drafter=drafter(), fixed_depth=d, copy_drafts=False)
+        if workload == "after-random":
+            for prompt in random_prompts(args.random_streams, 64, seed=11):
+                decode(engines["priced"], prompt, temperature=1.0)
+        before = engines["priced"].planner.costs.step_ms()
+        priced.calls.clear()
+        rates = {name: [] for name in engines}
+        kept = {name: [0, 0, 0] for name in engines}
+        failures = {}
+        for rep in range(args.reps):
+            for i, prompt in enumerate(prompts):
+                names = list(engines)
+                shift = (rep * len(prompts) + i) % len(names)
+                got = {}
+                for name in names[shift:] + names[:shift]:
+                    got[name], rate, stats = decode(engines[name], prompt)
+                    rates[name].append(rate)
+                    kept[name] = [kept[name][0] + stats.drafted, kept[name][1] + stats.accepted,
+                                  kept[name][2] + stats.rounds]
+                for name, tokens in got.items():
+                    if tokens != got["plain"] and name not in failures:
+                        failures[name] = f"rep {rep + 1}, prompt {i}: ids differ from plain"
+        print(f"\n## {workload}: {WORKLOADS[workload]}\n")
+        print(f"priced engine: planner step_ms {before:.1f} before the timed prompts, "
+              f"{engines['priced'].planner.costs.step_ms():.1f} after; a measured chain step (chains feeding no "
+              f"catch-up) {priced.step_ms():.1f} ms; largest drafter feed {priced.largest_feed()} rows\n")
+        rows = []
+        for name in engines:
+            if name in failures:
+                ok = False
+                rows.append([name, f"FAIL: {failures[name]}", "-", "-", "-", "-"])
+                continue
+            ratios = [a / b for a, b in zip(rates[name], rates["plain"])]
+            offered, accepted, rounds = kept[name]
+            rows.append([name, "equal", f"{median(rates[name]):.1f}", spread(rates[name]), f"{median(ratios):.2f}x",
+                         f"{accepted}/{offered} in {rounds} rounds" if offered else f"0 in {rounds} rounds"])
+        print(table(["engine", "token ids", "tok/s (median)", "range", "vs plain", "drafts kept"], rows))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
