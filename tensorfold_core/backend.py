@@ -36,8 +36,12 @@ def backend_row_invariance(dim: int = 256) -> dict:
         q = mx.broadcast_to(rows[:, :64].reshape(1, 1, -1, 64), (1, 4, rows.shape[0], 64))
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125)[0, 0]
 
+    wide = mx.random.normal((640, dim)) / dim ** 0.5  # the x @ W.T layout and odd widths models really run
+    narrow = mx.random.normal((dim, 640)) / 640 ** 0.5
+    x_wide = mx.random.normal((16, 640))
     checks = {
         "matmul_float32": _rows_invariant(lambda r: r @ w, x),
+        "linear_float32": _rows_invariant(lambda r: r @ wide.T, x) and _rows_invariant(lambda r: r @ narrow.T, x_wide),
         "matmul_bfloat16": _rows_invariant(lambda r: r @ w.astype(mx.bfloat16), x.astype(mx.bfloat16)),
         "quantized_matmul_4bit": _rows_invariant(
             lambda r: mx.quantized_matmul(r, qw, scales, biases, transpose=True, group_size=64, bits=4), x),
