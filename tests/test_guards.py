@@ -224,12 +224,18 @@ class FakeClock:
         self.now += ms / 1000.0
 
 
-def drive(planner, clock, rounds, rates, *, round_ms, step_ms, max_depth=6, seed=0, copy=False, greedy=True):
-    """Runs rounds of streams whose drafts land with `rates[i]`; returns each round's depths."""
-    rng, log = random.Random(seed), []
+def drive(planner, clock, rounds, rates, *, round_ms, step_ms, max_depth=6, seed=0, copy=False, greedy=True,
+          catch_up_ms=0.0, first_id=0):
+    """Runs rounds of streams whose drafts land with `rates[i]`; returns each round's depths. A drafter round
+    after an undrafted one first pays `catch_up_ms` feeding the drafter what it missed."""
+    rng, log, last = random.Random(seed), [], ()
     for r in range(rounds):
-        asks = [Ask(i, max_depth, context=500 + r, greedy=greedy, copy=copy) for i in range(len(rates))]
+        asks = [Ask(first_id + i, max_depth, context=500 + r, greedy=greedy, copy=copy) for i in range(len(rates))]
         depths = planner.plan(asks)
+        if catch_up_ms and not copy and any(d and not (last and last[i]) for i, d in enumerate(depths)):
+            clock.advance(catch_up_ms)
+        planner.caught_up()
+        last = depths
         clock.advance(0.0 if copy else step_ms * max(depths))
         planner.proposed()
         clock.advance(round_ms(depths))
@@ -329,3 +335,35 @@ def test_a_planner_gives_each_stream_at_most_its_room_and_nothing_where_it_has_n
         planner.proposed()
         clock.advance(rng.uniform(1, 30))
         planner.observe([Verified(d, rng.randrange(d + 1), 1) for d in depths])
+
+
+def test_a_drafters_catch_up_is_timed_apart_from_its_chain_steps():
+    clock = FakeClock()
+    planner = DraftPlanner(clock=clock)
+    log = drive(planner, clock, 3, [0.8], round_ms=fast, step_ms=0.5, catch_up_ms=80.0)
+    assert log[0][0] > 0 and planner.costs.step_ms() == pytest.approx(0.5)
+
+
+def test_a_new_stream_starts_from_how_often_drafter_drafts_landed_lately():
+    clock = FakeClock()
+    planner = DraftPlanner(timed=False)
+    drive(planner, clock, 300, [0.02], round_ms=fast, step_ms=0.5)
+    assert planner.plan([Ask(7, 6, context=10)]) == [0]  # it stands aside from its first round
+    planner.observe([Verified(0, 0, 1)])
+    assert planner.plan([Ask(8, 6, context=10, copy=True)])[0] > 0  # copy drafts keep the fixed prior
+    planner.observe([Verified(0, 0, 1)])
+    drive(planner, clock, 300, [0.95], round_ms=fast, step_ms=0.5, first_id=1)
+    assert planner.plan([Ask(9, 6, context=10)])[0] > 0
+    assert DraftPlanner(timed=False).plan([Ask(0, 6, context=10)])[0] > 0  # with nothing landed yet: the prior
+
+
+def test_a_stream_is_probing_exactly_while_its_probe_is_armed():
+    planner, probing, depths = DraftPlanner(timed=False), [], []
+    for r in range(400):
+        (depth,) = planner.plan([Ask(0, 6, context=10 + r)])
+        probing.append(planner.probing(0))
+        depths.append(depth > 0)
+        planner.observe([Verified(depth, 0, 1)])
+    # it drafts its first round, stands aside 64 rounds, probes, stands aside 128, probes; 256 is past the end
+    assert probing == [d and r > FIRST_GAP for r, d in enumerate(depths)]
+    assert sum(probing) == 2 and depths[0] and not planner.probing(99)

@@ -9,7 +9,7 @@ import numpy as np
 from ..protocols import DraftAsk, Model, Proposer
 from ..sampling import draw_rows
 from .copy import CopyProposer
-from .guards import Ask, DraftPlanner, Verified
+from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
 from .stream import Stream
 from .types import ErrorEvent
 
@@ -115,7 +115,14 @@ class Engine:
             elif depth > 0:
                 drafting.append((turn, depth))
         if drafting:
-            proposals = self.drafter.propose([DraftAsk(t.stream.id, t.stream.tokens, d) for t, d in drafting])
+            # a probe's drafts only test whether drafting pays again: its catch-up is bounded, so its cost is too
+            asks = [DraftAsk(t.stream.id, t.stream.tokens, d, PROBE_CATCH_UP if self.planner.probing(t.stream.id)
+                             else None) for t, d in drafting]
+            catch_up = getattr(self.drafter, "catch_up", None)  # optional: a drafter that feeds lagging slots apart
+            if catch_up is not None:
+                catch_up(asks)
+            self.planner.caught_up()
+            proposals = self.drafter.propose(asks)
             for (turn, depth), drafts in zip(drafting, proposals):
                 turn.drafts, turn.source = list(drafts)[:depth], self.drafter.name
         self.planner.proposed()

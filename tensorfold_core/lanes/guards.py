@@ -22,6 +22,8 @@ LONE_FIRST_WAIT = 16  # plain rounds after a lost stretch before drafting is mea
 LONE_MAX_WAIT = 512  # the most that wait doubles to while plain keeps winning
 LONE_LOSSES_PRICED = 2  # lost stretches in a row after which the wait also bounds what a probe costs
 PROBE_SHARE = 0.03  # the most a probe may cost, as a share of the plain time before it
+PROBE_CATCH_UP = 32  # context rows a probe's drafter may catch up: what a probe costs must not grow with its gap
+PRIOR_HALF_LIFE = 64.0  # drafter windows, over all streams, after which one weighs half in a new stream's prior
 STRETCH_HALF_LIFE = 64.0  # rounds after which a round weighs half in a stretch's rate
 
 
@@ -316,6 +318,7 @@ class _Round:
     drafted: bool
     measured: bool
     start: float | None
+    caught_up: float | None = None
     proposed: float | None = None
 
 
@@ -331,6 +334,8 @@ class DraftPlanner:
         self.shared = SharedGuard()
         self.lone = LoneGuard()
         self._prior = Acceptance(prior)
+        # what drafter drafts have landed lately, over every stream: a new stream's first guess at its own
+        self._landed = Acceptance(prior, half_life=PRIOR_HALF_LIFE)
         self._lanes: dict[tuple[int, bool], _Lane] = {}
         self._round: _Round | None = None
 
@@ -342,8 +347,17 @@ class DraftPlanner:
         key = (stream_id, copy)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = _Lane(Acceptance(self._prior.prior))
+            lane = self._lanes[key] = _Lane(Acceptance(self._new_prior(copy).prior))
         return lane
+
+    def _new_prior(self, copy: bool) -> Acceptance:
+        """A new stream's acceptance before its own windows: copy drafts keep the prior, drafter drafts learn one."""
+        return self._prior if copy else Acceptance(self._landed.chain(1)[0])
+
+    def probing(self, stream_id: int) -> bool:
+        """Whether the stream's drafter drafts this round are a probe (it stood aside, and drafts to test)."""
+        lane = self._lanes.get((stream_id, False))
+        return lane is not None and lane.aside.probing
 
     def _drafted(self, asks: Sequence[Ask]) -> bool:
         if not self.timed:  # an untimed engine never consults the guards
@@ -371,15 +385,20 @@ class DraftPlanner:
                 if ask.max_depth <= 0:
                     continue
                 # a probe drafts what a new stream would: the depth the prior prices, at least one
-                probe = max(1, lone_depth(self._prior, self.costs, ask.max_depth, not ask.copy))
+                probe = max(1, lone_depth(self._new_prior(ask.copy), self.costs, ask.max_depth, not ask.copy))
                 depths[i] = min(lane.aside.depth(priced[i], probe), ask.max_depth)
                 consulted[i] = True
         # a round carrying a prompt chunk or no decoding stream tells neither mode's rate
         self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start)
         return depths
 
+    def caught_up(self) -> None:
+        """After the drafter fed its lagging slots: what passed since `plan` was catch-up, not chain steps."""
+        if self._round is not None:
+            self._round.caught_up = self._now()
+
     def proposed(self) -> None:
-        """After proposing: what passed since `plan` was the drafter's chain."""
+        """After proposing: what passed since the catch-up (or `plan`) was the drafter's chain."""
         if self._round is not None:
             self._round.proposed = self._now()
 
@@ -393,6 +412,8 @@ class DraftPlanner:
             if lane is None:  # it left during the round
                 continue
             lane.acceptance.observe(result.offered, result.accepted)
+            if not ask.copy:
+                self._landed.observe(result.offered, result.accepted)
             if consulted:
                 lane.aside.round(result.offered)
         if self.timed:
@@ -400,8 +421,10 @@ class DraftPlanner:
 
     def _time(self, done: _Round, verified: Sequence[Verified], end: float) -> None:
         steps = max((d for a, d in zip(done.asks, done.depths) if not a.copy), default=0)
+        # a catch-up feeds context rows once, after a stand-aside or to a new stream: it is no chain step
+        chain_start = done.caught_up if done.caught_up is not None else done.start
         if done.proposed is not None and steps:
-            self.costs.observe_steps(steps, done.proposed - done.start)
+            self.costs.observe_steps(steps, done.proposed - chain_start)
         forward_start = done.proposed if done.proposed is not None else done.start
         lone = done.measured and len(done.asks) == 1
         if lone:  # shared rounds pay per-stream costs a lone round's line must not learn

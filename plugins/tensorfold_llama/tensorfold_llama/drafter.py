@@ -168,13 +168,43 @@ def admit(target_tokenizer, target_model, drafter_ckpt: Checkpoint, bits: int | 
 # ---- the drafter ----
 
 class Slot:
-    """One stream's drafter cache and the tokens it holds (context, then the drafts fed back)."""
+    """One stream's drafter cache and the tokens it was fed (context, then the drafts fed back).
 
-    __slots__ = ("cache", "tokens")
+    A bounded catch-up may skip context tokens: the cache then holds the context with a cut in it, and its tokens
+    from `cut` on stand for the context's from `cut + skipped` on (rotary positions are relative, so the drafter
+    reads the cut context as if it were whole)."""
+
+    __slots__ = ("cache", "tokens", "skipped", "cut", "whole")
 
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.tokens: list[int] = []
+        self.skipped = 0  # context tokens the slot never saw
+        self.cut = 0  # where the last skip is in `tokens`
+        self.whole = 0  # leading tokens equal to the context's own prefix (before any cut)
+
+    def trim(self, tokens: int) -> None:
+        self.cache.trim(tokens)
+        del self.tokens[tokens:]
+        self.whole = min(self.whole, tokens)
+        self.cut = min(self.cut, tokens)
+
+    def feed(self, context: list[int], limit: int | None) -> list[int]:
+        """Trim to the context and return the rows still to feed, at most `limit` of them plus the last one."""
+        start = self.cut + _common_prefix(self.tokens[self.cut:], context[self.cut + self.skipped:])
+        # the last context token is always fed: its row gives the first draft
+        start = min(start, len(context) - self.skipped - 1)
+        self.trim(start)
+        rows = context[start + self.skipped:]
+        if limit is not None and len(rows) > limit + 1:
+            skip = len(rows) - limit - 1
+            self.skipped, self.cut, rows = self.skipped + skip, start, rows[skip:]
+        return rows
+
+    def fed(self, rows: list[int]) -> None:
+        self.tokens += rows
+        if not self.skipped:
+            self.whole = len(self.tokens)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], chunk: int = 512) -> int:
@@ -248,43 +278,76 @@ class LlamaDrafter:
             del self.kept[:excess]
             mx.clear_cache()
 
+    def catch_up(self, asks: Sequence[DraftAsk]) -> int:
+        """Feed lagging slots all but their last context row, apart from the chain, so the two are timed apart;
+        returns the rows fed (0: every slot was at most a step behind, and nothing ran)."""
+        work = [(slot, rows[:-1]) for slot, rows, _ in self._sync(asks) if len(rows) > 2]
+        if not work:
+            return 0
+        caches = [slot.cache for slot, _ in work]
+        try:
+            ids = mx.array([t for _, rows in work for t in rows], dtype=mx.uint32)
+            self.model._forward_ids(caches, ids, [len(rows) for _, rows in work], [0] * len(work), commit=True)
+            mx.eval([c.keys + c.values for c in caches])
+        except Exception:
+            self._drop(work)
+            raise
+        for slot, rows in work:
+            slot.fed(rows)
+        rows = sum(len(rows) for _, rows in work)
+        self._count(rows)
+        return rows
+
     def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
         """Each ask's greedy chain: slots synced to the context by their common prefix, then one lazy graph."""
         self.stats["proposals"] += 1
         drafts: list[list[int]] = [[] for _ in asks]
-        work = []  # (ask index, slot, context, rows to feed, depth)
-        seen = set()
+        work = [(i, slot, rows, depth) for i, (slot, rows, depth) in zip(self._asking(asks), self._sync(asks))]
+        if not work:
+            return drafts
+        work.sort(key=lambda w: -w[3])  # deepest first: each step's streams are a prefix of the last step's
+        try:
+            steps = self._chain([w[1].cache for w in work], [w[2] for w in work], [w[3] for w in work])
+        except Exception:
+            self._drop([(slot, rows) for _, slot, rows, _ in work])
+            raise
+        for j, (i, slot, rows, depth) in enumerate(work):
+            chain = [steps[s][j] for s in range(depth)]
+            slot.fed(rows + chain[:-1])  # the last draft was never fed back
+            cut = next((k + 1 for k, t in enumerate(chain) if t in self.eos_ids), depth)
+            drafts[i] = chain[:cut]
+        return drafts
+
+    def _asking(self, asks: Sequence[DraftAsk]) -> list[int]:
+        """Indices of the asks the drafter can draft for; a stream asking twice in one call is an error."""
+        seen, asking = set(), []
         for i, ask in enumerate(asks):
             if ask.stream_id in seen:
                 raise ValueError(f"stream {ask.stream_id} asks twice in one propose call")
             seen.add(ask.stream_id)
+            tokens = ask.tokens
+            # a context the drafter cannot embed (ids past its vocab) gets no drafts rather than an error
+            if int(ask.depth) > 0 and len(tokens) and min(tokens) >= 0 and max(tokens) < self.model.vocab_size:
+                asking.append(i)
+        return asking
+
+    def _sync(self, asks: Sequence[DraftAsk]) -> list[tuple[Slot, list[int], int]]:
+        """(slot, rows to feed, depth) per ask the drafter can draft for, each slot trimmed to its context."""
+        out = []
+        for i in self._asking(asks):
+            ask = asks[i]
             tokens = list(ask.tokens)
             depth = min(int(ask.depth), self.max_depth)
-            # a context the drafter cannot embed (ids past its vocab) gets no drafts rather than an error
-            if depth <= 0 or not tokens or min(tokens) < 0 or max(tokens) >= self.model.vocab_size:
-                continue
             slot = self._slot(ask.stream_id, tokens)
-            # the last context token is always fed: its row gives the first draft
-            start = min(_common_prefix(slot.tokens, tokens), len(tokens) - 1)
-            slot.cache.trim(start)
-            slot.tokens = tokens[:start]
-            self._reserve(slot, len(tokens) + depth - 1)
-            work.append((i, slot, tokens, tokens[start:], depth))
-        if not work:
-            return drafts
-        work.sort(key=lambda w: -w[4])  # deepest first: each step's streams are a prefix of the last step's
-        try:
-            steps = self._chain([w[1].cache for w in work], [w[3] for w in work], [w[4] for w in work])
-        except Exception:
-            for i, *_ in work:  # their caches hold a graph that failed: the next ask starts them afresh
-                self.slots.pop(asks[i].stream_id, None)
-            raise
-        for j, (i, slot, tokens, _, depth) in enumerate(work):
-            chain = [steps[s][j] for s in range(depth)]
-            slot.tokens = tokens + chain[:-1]  # the last draft was never fed back
-            cut = next((k + 1 for k, t in enumerate(chain) if t in self.eos_ids), depth)
-            drafts[i] = chain[:cut]
-        return drafts
+            rows = slot.feed(tokens, ask.catch_up)
+            self._reserve(slot, len(slot.tokens) + len(rows) + depth - 1)
+            out.append((slot, rows, depth))
+        return out
+
+    def _drop(self, work) -> None:
+        """Slots whose caches hold a graph that failed: the next ask starts them afresh."""
+        failed = {id(slot) for slot, _ in work}
+        self.slots = {k: s for k, s in self.slots.items() if id(s) not in failed}
 
     def _chain(self, caches: list[KVCache], feeds: list[list[int]], depths: list[int]) -> list[list[int]]:
         """Run the first (ragged) windows, then one row per stream a step; one mx.eval for the whole chain."""
@@ -316,13 +379,15 @@ class LlamaDrafter:
             return slot
         best, shared = None, 0
         for kept in self.kept:  # oldest first, so ">=" prefers the newest of equal prefixes
-            n = _common_prefix(kept.tokens, tokens)
+            n = _common_prefix(kept.tokens[:kept.whole], tokens)
             if n and n >= shared:
                 best, shared = kept, n
         if best is not None:
             self.kept.remove(best)
             self.stats["slot_reuses"] += 1
             slot = best
+            slot.trim(shared)  # only its uncut prefix stands for this context
+            slot.skipped = slot.cut = 0
         else:
             slot = Slot(self.model.new_cache(_round_up(len(tokens) + self.max_depth)))
         self.slots[stream_id] = slot

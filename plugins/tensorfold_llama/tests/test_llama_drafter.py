@@ -321,3 +321,44 @@ def test_a_proposal_that_fails_drops_its_streams_slots_and_the_next_one_starts_a
             drafter.propose([DraftAsk(0, PROMPT[:12], 4)])
     assert list(drafter.slots) == [1]
     assert drafter.propose([DraftAsk(0, PROMPT[:12], 4)]) == [serial(drafter.model, PROMPT[:12], 4)]
+
+
+def test_a_catch_up_feeds_lagging_slots_apart_and_leaves_the_proposal_unchanged(target, drafter_dir):
+    ckpt = Checkpoint.open(drafter_dir)
+    caught, plain = start(target, ckpt, NO_EOS), start(target, ckpt, NO_EOS)
+    asks = [DraftAsk(i, context, 6) for i, context in enumerate(contexts(3, seed=7))]
+    lagging = sum(len(a.tokens) - 1 for a in asks if len(a.tokens) > 3)
+    assert caught.catch_up(asks) == lagging
+    assert caught.propose(asks) == plain.propose(asks)
+    # a stream a step behind (its drafts accepted) is not caught up apart: its rows stay in the chain's forward
+    grown = [DraftAsk(a.stream_id, list(a.tokens) + d + [5], 6) for a, d in zip(asks, plain.propose(asks))]
+    forwards = caught.stats["forwards"]
+    assert caught.catch_up(grown) == 0 and caught.stats["forwards"] == forwards
+
+
+def test_a_bounded_catch_up_drafts_from_the_last_rows_of_the_context(target, drafter_dir):
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS)
+    context = (PROMPT * 4)[:40]
+    assert drafter.catch_up([DraftAsk(0, context, 5, catch_up=8)]) == 8
+    assert drafter.propose([DraftAsk(0, context, 5, catch_up=8)]) == [serial(drafter.model, context[-9:], 5)]
+    # a live slot that fell 30 tokens behind skips to the last 8 and reads the context with a cut in it
+    seen = list(drafter.slots[0].tokens)
+    later = context + [(7 * i) % TARGET_VOCAB for i in range(30)]
+    (drafts,) = drafter.propose([DraftAsk(0, later, 5, catch_up=8)])
+    assert drafts == serial(drafter.model, seen + later[-9:], 5)
+    # then it follows the context as usual: accepted drafts cost no second pass
+    before = drafter.stats["rows"]
+    assert drafter.propose([DraftAsk(0, later + drafts + [3], 5)]) == [serial(
+        drafter.model, seen + later[-9:] + drafts + [3], 5)]
+    assert drafter.stats["rows"] - before == 2 + 4
+
+
+def test_a_kept_slot_with_a_cut_shares_only_its_uncut_prefix(target, drafter_dir):
+    drafter = start(target, Checkpoint.open(drafter_dir), {**NO_EOS, "max_kept": 2})
+    drafter.propose([DraftAsk(1, PROMPT, 3)])
+    later = PROMPT + [(5 * i) % TARGET_VOCAB for i in range(40)]
+    drafter.propose([DraftAsk(1, later, 3, catch_up=4)])
+    drafter.release(1)
+    before = drafter.stats["rows"]
+    assert drafter.propose([DraftAsk(2, later, 3)]) == [serial(drafter.model, later, 3)]
+    assert drafter.stats["slot_reuses"] == 1 and drafter.stats["rows"] - before == len(later) - len(PROMPT) + 2
