@@ -16,18 +16,23 @@ WORKLOADS = {
 
 
 class Timed:
-    """Wraps a drafter's propose: (ms, rows fed, deepest chain) of every call."""
+    """Wraps a drafter's catch-up and propose: (chain ms, rows fed with the catch-up's, deepest chain) a round."""
 
     def __init__(self, drafter):
-        self.drafter, self.calls = drafter, []
-        self._propose = drafter.propose
-        drafter.propose = self.propose
+        self.drafter, self.calls, self._caught_up = drafter, [], 0
+        self._propose, self._catch_up = drafter.propose, drafter.catch_up
+        drafter.propose, drafter.catch_up = self.propose, self.catch_up
+
+    def catch_up(self, asks):
+        self._caught_up = self._catch_up(asks)
+        return self._caught_up
 
     def propose(self, asks):
         rows, start = self.drafter.stats["rows"], time.perf_counter()
         out = self._propose(asks)
-        self.calls.append(((time.perf_counter() - start) * 1000, self.drafter.stats["rows"] - rows,
-                           max(a.depth for a in asks)))
+        fed = self.drafter.stats["rows"] - rows + self._caught_up
+        self.calls.append(((time.perf_counter() - start) * 1000, fed, max(a.depth for a in asks)))
+        self._caught_up = 0
         return out
 
     def step_ms(self) -> float:
