@@ -151,7 +151,7 @@ def main() -> int:
                         "(random-token prompts at --temperature, seeded: the adversarial cell, where drafts rarely "
                         "land and the guards should stand drafting aside)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--blas", default="bundled", help="bundled, openblas or openblas-skylakex")
+    parser.add_argument("--blas", default="bundled", help="bundled, openblas or openblas-CORE (e.g. openblas-nehalem)")
     parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                         help="check each reply against the same request alone on a fresh server of its mode")
     parser.add_argument("--serial", action=argparse.BooleanOptionalAction, default=True,

@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="rounds over every cell, in a rotated order")
     parser.add_argument("--prompts", type=int, default=len(CODE_PROMPTS), help="how many of the code prompts")
     parser.add_argument("--dtypes", default="auto,float32", help="comma list of --dtype values")
-    parser.add_argument("--blas", default="bundled", help="comma list: bundled, openblas, openblas-skylakex")
+    parser.add_argument("--blas", default="bundled", help="comma list: bundled, openblas, openblas-CORE (e.g. openblas-nehalem)")
     parser.add_argument("--cells", default=",".join(c.name for c in CELLS), help="comma list of cells")
     parser.add_argument("--mlx-draft", type=int, default=3, help="mlx-lm's num_draft_tokens")
     parser.add_argument("--mlx-lm-worker", action="store_true", help=argparse.SUPPRESS)

@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--depths", default="0,1,2,3,4,5,6,7,8", help="comma list of N (0: plain)")
     parser.add_argument("--prompt", type=int, default=0, help=f"which prompt: 0..{len(PROMPTS) - 1}")
     parser.add_argument("--dtypes", default="auto,float32")
-    parser.add_argument("--blas", default="bundled", help="comma list: bundled, openblas, openblas-skylakex")
+    parser.add_argument("--blas", default="bundled", help="comma list: bundled, openblas, openblas-CORE (e.g. openblas-nehalem)")
     parser.add_argument("--drafter", default="tiny-llama-drafter")
     parser.add_argument("--forward", action="store_true", help="also time the bare forward by rows and chains")
     parser.add_argument("--forward-reps", type=int, default=15)

@@ -83,6 +83,9 @@ def server(model: str | None, *flags: str, env: dict | None = None, timeout: flo
         log.close()
 
 
+CORETYPES = {"skylakex": "SkylakeX"}  # OpenBLAS spellings that capitalize() misses
+
+
 def openblas_env() -> dict:
     """LD_PRELOAD of Debian's pthread OpenBLAS where installed, so MLX's CPU matmuls use it."""
     for path in OPENBLAS:
@@ -92,13 +95,15 @@ def openblas_env() -> dict:
 
 
 def blas_env(blas: str) -> dict:
-    """The environment of a BLAS setting: 'bundled' (MLX's own), 'openblas', or 'openblas-skylakex'."""
+    """The environment of a BLAS setting: 'bundled' (MLX's own), 'openblas', or 'openblas-CORE' (OpenBLAS with
+    OPENBLAS_CORETYPE=CORE: nehalem is the row-invariant one on AVX-512 Xeons, skylakex is not)."""
     if blas == "bundled":
         return {}
     env = openblas_env()
     if not env:
         raise SystemExit(f"--blas {blas}: Debian's libopenblas0-pthread is not installed")
-    return {**env, "OPENBLAS_CORETYPE": "SkylakeX"} if blas == "openblas-skylakex" else env
+    core = blas.removeprefix("openblas").removeprefix("-")
+    return {**env, "OPENBLAS_CORETYPE": CORETYPES.get(core, core.capitalize())} if core else env
 
 
 def words(text: str) -> list[str]:
