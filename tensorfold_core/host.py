@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -204,6 +205,12 @@ def load_target(model: str | None, options: ServeOptions, progress: Callable[[st
     return name, loaded, tokenizer, ckpt, probe
 
 
+def _blas_hint() -> str:
+    """Where a preloaded OpenBLAS broke row invariance, the kernels known to keep it (docs/performance.md)."""
+    preloaded = "openblas" in os.environ.get("LD_PRELOAD", "").lower()
+    return "; with OpenBLAS preloaded, OPENBLAS_CORETYPE=Nehalem keeps rows invariant" if preloaded else ""
+
+
 def load_host(model: str | None, options: ServeOptions,
               progress: Callable[[str], None] = lambda stage: None, timed: bool = True) -> Host:
     """Load the target and its drafter, and start the engine thread over them (untimed: depths never read the
@@ -213,8 +220,8 @@ def load_host(model: str | None, options: ServeOptions,
     name, loaded, tokenizer, ckpt, probe = load_target(model, options, progress)
     drafter, draft_name = None, drafter_name(name, options.drafter)
     if not probe.get("row_invariant", False):
-        log.warning("backend is not row-invariant (%s): each stream runs its own forward, undrafted",
-                    probe.get("detail"))
+        log.warning("backend is not row-invariant (%s): each stream runs its own forward, undrafted%s",
+                    probe.get("detail"), _blas_hint())
     elif draft_name is not None:
         progress(f"starting drafter {draft_name}")
         drafter = start_drafter(draft_name, options.drafter_bits, loaded, tokenizer, dtype=options.dtype)
