@@ -281,7 +281,7 @@ class LlamaDrafter:
     def catch_up(self, asks: Sequence[DraftAsk]) -> int:
         """Feed lagging slots all but their last context row, apart from the chain, so the two are timed apart;
         returns the rows fed (0: every slot was at most a step behind, and nothing ran)."""
-        work = [(slot, rows[:-1]) for slot, rows, _ in self._sync(asks) if len(rows) > 2]
+        work = [(slot, rows[:-1]) for _, slot, rows, _ in self._sync(asks) if len(rows) > 2]
         if not work:
             return 0
         caches = [slot.cache for slot, _ in work]
@@ -302,7 +302,7 @@ class LlamaDrafter:
         """Each ask's greedy chain: slots synced to the context by their common prefix, then one lazy graph."""
         self.stats["proposals"] += 1
         drafts: list[list[int]] = [[] for _ in asks]
-        work = [(i, slot, rows, depth) for i, (slot, rows, depth) in zip(self._asking(asks), self._sync(asks))]
+        work = self._sync(asks)
         if not work:
             return drafts
         work.sort(key=lambda w: -w[3])  # deepest first: each step's streams are a prefix of the last step's
@@ -318,30 +318,22 @@ class LlamaDrafter:
             drafts[i] = chain[:cut]
         return drafts
 
-    def _asking(self, asks: Sequence[DraftAsk]) -> list[int]:
-        """Indices of the asks the drafter can draft for; a stream asking twice in one call is an error."""
-        seen, asking = set(), []
+    def _sync(self, asks: Sequence[DraftAsk]) -> list[tuple[int, Slot, list[int], int]]:
+        """(ask index, slot, rows to feed, depth) per ask the drafter can draft for, its slot trimmed to the context."""
+        out, seen = [], set()
         for i, ask in enumerate(asks):
             if ask.stream_id in seen:
                 raise ValueError(f"stream {ask.stream_id} asks twice in one propose call")
             seen.add(ask.stream_id)
-            tokens = ask.tokens
-            # a context the drafter cannot embed (ids past its vocab) gets no drafts rather than an error
-            if int(ask.depth) > 0 and len(tokens) and min(tokens) >= 0 and max(tokens) < self.model.vocab_size:
-                asking.append(i)
-        return asking
-
-    def _sync(self, asks: Sequence[DraftAsk]) -> list[tuple[Slot, list[int], int]]:
-        """(slot, rows to feed, depth) per ask the drafter can draft for, each slot trimmed to its context."""
-        out = []
-        for i in self._asking(asks):
-            ask = asks[i]
             tokens = list(ask.tokens)
             depth = min(int(ask.depth), self.max_depth)
+            # a context the drafter cannot embed (ids past its vocab) gets no drafts rather than an error
+            if depth <= 0 or not tokens or min(tokens) < 0 or max(tokens) >= self.model.vocab_size:
+                continue
             slot = self._slot(ask.stream_id, tokens)
             rows = slot.feed(tokens, ask.catch_up)
             self._reserve(slot, len(slot.tokens) + len(rows) + depth - 1)
-            out.append((slot, rows, depth))
+            out.append((i, slot, rows, depth))
         return out
 
     def _drop(self, work) -> None:
