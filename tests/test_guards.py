@@ -344,17 +344,16 @@ def test_a_drafters_catch_up_is_timed_apart_from_its_chain_steps():
     assert log[0][0] > 0 and planner.costs.step_ms() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("copy", [False, True])
-def test_a_new_stream_starts_from_how_often_drafts_of_its_kind_landed_lately(copy):
+def test_a_new_stream_starts_from_how_often_drafter_drafts_landed_lately():
     clock = FakeClock()
     planner = DraftPlanner(timed=False)
-    drive(planner, clock, 300, [0.02], round_ms=fast, step_ms=0.5, copy=copy)
-    assert planner.plan([Ask(7, 6, context=10, copy=copy)]) == [0]  # it stands aside from its first round
+    drive(planner, clock, 300, [0.02], round_ms=fast, step_ms=0.5)
+    assert planner.plan([Ask(7, 6, context=10)]) == [0]  # it stands aside from its first round
     planner.observe([Verified(0, 0, 1)])
-    assert planner.plan([Ask(8, 6, context=10, copy=not copy)])[0] > 0  # the other kind's prior is its own
+    assert planner.plan([Ask(8, 6, context=10, copy=True)])[0] > 0  # copy drafts keep the fixed prior
     planner.observe([Verified(0, 0, 1)])
-    drive(planner, clock, 300, [0.95], round_ms=fast, step_ms=0.5, first_id=1, copy=copy)
-    assert planner.plan([Ask(9, 6, context=10, copy=copy)])[0] > 0
+    drive(planner, clock, 300, [0.95], round_ms=fast, step_ms=0.5, first_id=1)
+    assert planner.plan([Ask(9, 6, context=10)])[0] > 0
     assert DraftPlanner(timed=False).plan([Ask(0, 6, context=10)])[0] > 0  # with nothing landed yet: the prior
 
 

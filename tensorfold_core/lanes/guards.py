@@ -334,8 +334,8 @@ class DraftPlanner:
         self.shared = SharedGuard()
         self.lone = LoneGuard()
         self._prior = Acceptance(prior)
-        # what drafts of each kind (copy or drafter) landed lately, over every stream: a new stream's first guess
-        self._landed = {copy: Acceptance(prior, half_life=PRIOR_HALF_LIFE) for copy in (False, True)}
+        # what drafter drafts have landed lately, over every stream: a new stream's first guess at its own
+        self._landed = Acceptance(prior, half_life=PRIOR_HALF_LIFE)
         self._lanes: dict[tuple[int, bool], _Lane] = {}
         self._round: _Round | None = None
 
@@ -351,8 +351,8 @@ class DraftPlanner:
         return lane
 
     def _new_prior(self, copy: bool) -> Acceptance:
-        """A new stream's acceptance before its own windows: what drafts of its kind landed lately."""
-        return Acceptance(self._landed[copy].chain(1)[0])
+        """A new stream's acceptance before its own windows: copy drafts keep the prior, drafter drafts learn one."""
+        return self._prior if copy else Acceptance(self._landed.chain(1)[0])
 
     def probing(self, stream_id: int) -> bool:
         """Whether the stream's drafter drafts this round are a probe (it stood aside, and drafts to test)."""
@@ -412,7 +412,8 @@ class DraftPlanner:
             if lane is None:  # it left during the round
                 continue
             lane.acceptance.observe(result.offered, result.accepted)
-            self._landed[ask.copy].observe(result.offered, result.accepted)
+            if not ask.copy:
+                self._landed.observe(result.offered, result.accepted)
             if consulted:
                 lane.aside.round(result.offered)
         if self.timed:
