@@ -8,6 +8,7 @@ import os
 import platform
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -50,6 +51,13 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _exit_on_sigterm(signum, frame):
+    sys.exit(128 + signum)  # unwinds, so every open server() stops its child instead of leaving it serving
+
+
+signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 @contextlib.contextmanager
