@@ -119,7 +119,8 @@ def run_workload(name: str, args) -> bool:
             modes = list(MODES) if (rep + level) % 2 == 0 else list(MODES)[::-1]  # alternate who runs first
             for mode in modes:
                 runs[(mode, level)].append(cell(mode, level, requests, args))
-            print(f"rep {rep + 1} {name} level {level} done", file=sys.stderr)
+            rates = ", ".join(f"{mode} {runs[(mode, level)][-1]['rate']:.1f} tok/s" for mode in modes)
+            print(f"rep {rep + 1} {name} level {level}: {rates} (in that order)", file=sys.stderr)
     rows, ok = [], True
     for level in args.levels:
         failures = {mode: check(runs[(mode, level)], references[mode]) for mode in MODES}

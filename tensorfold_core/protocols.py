@@ -61,10 +61,10 @@ class KeptModelState(Protocol):
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Gives streams drafts to verify: the core's copy proposer, or a drafter from a plugin.
+    """Gives streams drafts to verify: the core's copy proposer, or a drafter from a plugin."""
 
-    A drafter may also offer `catch_up(asks) -> int`: feed its lagging caches first and return the rows fed, so the
-    core times that once-off catch-up apart from the chain steps it prices drafts by."""
+    # optional, not part of the check: `catch_up(asks) -> rows` feeds lagging caches before `propose`, so the core
+    # times that once-off catch-up apart from the chain steps it prices drafts by
 
     name: str
 
@@ -76,8 +76,7 @@ class Proposer(Protocol):
 
 
 class DraftAsk:
-    """One stream's ask to a proposer: its committed tokens (pending one last), the depth wanted, and how many
-    rows of context a drafter may feed to catch up before drafting (None: all; a bound lets it skip the rest)."""
+    """One stream's ask: its committed tokens (pending one last), the depth wanted, the most catch-up rows."""
 
     __slots__ = ("stream_id", "tokens", "depth", "catch_up")
 
@@ -85,7 +84,7 @@ class DraftAsk:
         self.stream_id = stream_id
         self.tokens = tokens
         self.depth = depth
-        self.catch_up = catch_up
+        self.catch_up = catch_up  # None: a drafter feeds all the context it lacks; a bound lets it skip the rest
 
     def __repr__(self):
         return f"DraftAsk(stream_id={self.stream_id}, tokens=<{len(self.tokens)}>, depth={self.depth})"

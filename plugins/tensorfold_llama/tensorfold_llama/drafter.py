@@ -168,19 +168,17 @@ def admit(target_tokenizer, target_model, drafter_ckpt: Checkpoint, bits: int | 
 # ---- the drafter ----
 
 class Slot:
-    """One stream's drafter cache and the tokens it was fed (context, then the drafts fed back).
-
-    A bounded catch-up may skip context tokens: the cache then holds the context with a cut in it, and its tokens
-    from `cut` on stand for the context's from `cut + skipped` on (rotary positions are relative, so the drafter
-    reads the cut context as if it were whole)."""
+    """One stream's drafter cache and the tokens it was fed (context, then the drafts fed back)."""
 
     __slots__ = ("cache", "tokens", "skipped", "cut", "whole")
 
     def __init__(self, cache: KVCache):
         self.cache = cache
         self.tokens: list[int] = []
-        self.skipped = 0  # context tokens the slot never saw
-        self.cut = 0  # where the last skip is in `tokens`
+        # a bounded catch-up skips context tokens: from `cut` on, tokens[i] is the context's [i + skipped]; rotary
+        # positions are relative, so the drafter reads the cut context as if it were whole
+        self.skipped = 0
+        self.cut = 0
         self.whole = 0  # leading tokens equal to the context's own prefix (before any cut)
 
     def trim(self, tokens: int) -> None:
@@ -279,8 +277,7 @@ class LlamaDrafter:
             mx.clear_cache()
 
     def catch_up(self, asks: Sequence[DraftAsk]) -> int:
-        """Feed lagging slots all but their last context row, apart from the chain, so the two are timed apart;
-        returns the rows fed (0: every slot was at most a step behind, and nothing ran)."""
+        """Feed slots lagging more than a step all but their last context row; the rows fed (0: nothing ran)."""
         work = [(slot, rows[:-1]) for _, slot, rows, _ in self._sync(asks) if len(rows) > 2]
         if not work:
             return 0
