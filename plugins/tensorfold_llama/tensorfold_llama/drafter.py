@@ -189,7 +189,7 @@ class Slot:
 
     def feed(self, context: list[int], limit: int | None) -> list[int]:
         """Trim to the context and return the rows still to feed, at most `limit` of them plus the last one."""
-        start = self.cut + _common_prefix(self.tokens[self.cut:], context[self.cut + self.skipped:])
+        start = self.cut + _common_prefix(self.tokens, context, self.cut, self.cut + self.skipped)
         # the last context token is always fed: its row gives the first draft
         start = min(start, len(context) - self.skipped - 1)
         self.trim(start)
@@ -205,15 +205,16 @@ class Slot:
             self.whole = len(self.tokens)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], chunk: int = 512) -> int:
-    """Length of the longest common prefix; chunks compare at C speed, since contexts run to many thousands."""
-    n = min(len(a), len(b))
+def _common_prefix(a: Sequence[int], b: Sequence[int], a_from: int = 0, b_from: int = 0, chunk: int = 512) -> int:
+    """Length of the common prefix of a[a_from:] and b[b_from:], without copying either: chunks compare at C speed."""
+    n = max(min(len(a) - a_from, len(b) - b_from), 0)
     at = 0
-    while at < n and a[at:at + chunk] == b[at:at + chunk]:
+    while at < n and a[a_from + at:a_from + min(at + chunk, n)] == b[b_from + at:b_from + min(at + chunk, n)]:
         at += chunk
     if at >= n:
         return n
-    return next((i for i in range(at, min(at + chunk, n)) if a[i] != b[i]), min(at + chunk, n))
+    end = min(at + chunk, n)
+    return next((i for i in range(at, end) if a[a_from + i] != b[b_from + i]), end)
 
 
 def _round_up(tokens: int) -> int:
@@ -322,13 +323,15 @@ class LlamaDrafter:
             if ask.stream_id in seen:
                 raise ValueError(f"stream {ask.stream_id} asks twice in one propose call")
             seen.add(ask.stream_id)
-            tokens = list(ask.tokens)
+            tokens = ask.tokens if isinstance(ask.tokens, list) else list(ask.tokens)
             depth = min(int(ask.depth), self.max_depth)
-            # a context the drafter cannot embed (ids past its vocab) gets no drafts rather than an error
-            if depth <= 0 or not tokens or min(tokens) < 0 or max(tokens) >= self.model.vocab_size:
+            if depth <= 0 or not tokens:
                 continue
             slot = self._slot(ask.stream_id, tokens)
             rows = slot.feed(tokens, ask.catch_up)
+            # ids the drafter cannot embed get no drafts rather than an error; only rows not yet fed need checking
+            if min(rows) < 0 or max(rows) >= self.model.vocab_size:
+                continue
             self._reserve(slot, len(slot.tokens) + len(rows) + depth - 1)
             out.append((i, slot, rows, depth))
         return out
