@@ -37,6 +37,11 @@ class Model(Protocol):
         shares the call (row invariance, where the backend has it). Every cache must be `keep`-ed before
         its next forward."""
 
+    def forward_ids(self, caches: Sequence[Cache], ids: mx.array, lengths: Sequence[int],
+                    logit_rows: Sequence[int], commit: bool = False) -> mx.array:
+        """`forward` on ids already packed in an mx.array (a drafter's lazy argmaxes stay on the device);
+        `commit` keeps every row at once (no `keep`, no eval): the public forward a drafter may call."""
+
     def keep(self, cache: Cache, rows: int) -> None:
         """Commit the first `rows` rows of the last window run on `cache` and drop the rest."""
 

@@ -285,7 +285,7 @@ class LlamaDrafter:
         caches = [slot.cache for slot, _ in work]
         try:
             ids = mx.array([t for _, rows in work for t in rows], dtype=mx.uint32)
-            self.model._forward_ids(caches, ids, [len(rows) for _, rows in work], [0] * len(work), commit=True)
+            self.model.forward_ids(caches, ids, [len(rows) for _, rows in work], [0] * len(work), commit=True)
             mx.eval([c.keys + c.values for c in caches])
         except Exception:
             self._drop(work)
@@ -345,7 +345,7 @@ class LlamaDrafter:
         """Run the first (ragged) windows, then one row per stream a step; one mx.eval for the whole chain."""
         model, limit = self.model, self.vocab_limit
         ids = mx.array([t for feed in feeds for t in feed], dtype=mx.uint32)
-        logits = model._forward_ids(caches, ids, [len(f) for f in feeds], [1] * len(feeds), commit=True)
+        logits = model.forward_ids(caches, ids, [len(f) for f in feeds], [1] * len(feeds), commit=True)
         self._count(sum(len(f) for f in feeds))
         # the chain may run past an eos: stopping would need a host read; the draft is cut after the eval
         token = mx.argmax(logits[:, :limit], axis=-1)  # ties go to the lowest id, as the target's greedy draw
@@ -353,7 +353,7 @@ class LlamaDrafter:
         for step in range(1, depths[0]):
             m = sum(1 for d in depths if d > step)
             token = token[:m]
-            logits = model._forward_ids(caches[:m], token, [1] * m, [1] * m, commit=True)
+            logits = model.forward_ids(caches[:m], token, [1] * m, [1] * m, commit=True)
             self._count(m)
             token = mx.argmax(logits[:, :limit], axis=-1)
             steps.append(token)

@@ -283,9 +283,9 @@ class Model(nn.Module):
         tokens = [token for window in windows for token in window]
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
             raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}, got {min(tokens)}..{max(tokens)}")
-        return self._forward_ids(caches, mx.array(tokens, dtype=mx.uint32), [len(w) for w in windows], logit_rows)
+        return self.forward_ids(caches, mx.array(tokens, dtype=mx.uint32), [len(w) for w in windows], logit_rows)
 
-    def _forward_ids(self, caches: Sequence[KVCache], ids: mx.array, lengths: Sequence[int],
+    def forward_ids(self, caches: Sequence[KVCache], ids: mx.array, lengths: Sequence[int],
                      logit_rows: Sequence[int], commit: bool = False) -> mx.array:
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         if len({id(cache) for cache in caches}) < len(caches):

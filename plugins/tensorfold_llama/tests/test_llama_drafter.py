@@ -301,7 +301,7 @@ def test_a_failed_warm_up_frees_the_drafter_and_raises_a_drafter_error(target, d
         raise RuntimeError("the forward failed")
 
     monkeypatch.setattr(LlamaDrafter, "warm_up", watched)
-    monkeypatch.setattr(Model, "_forward_ids", broken)
+    monkeypatch.setattr(Model, "forward_ids", broken)
     with pytest.raises(DrafterError, match="drafter-448: warm-up failed .RuntimeError: the forward failed.") as caught:
         start(target, Checkpoint.open(drafter_dir))
     gc.collect()
@@ -316,7 +316,7 @@ def test_a_proposal_that_fails_drops_its_streams_slots_and_the_next_one_starts_a
         raise RuntimeError("device lost")
 
     with monkeypatch.context() as patch:
-        patch.setattr(Model, "_forward_ids", lost)
+        patch.setattr(Model, "forward_ids", lost)
         with pytest.raises(RuntimeError, match="device lost"):
             drafter.propose([DraftAsk(0, PROMPT[:12], 4)])
     assert list(drafter.slots) == [1]
