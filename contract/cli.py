@@ -7,6 +7,7 @@ import faulthandler
 import json
 import sys
 
+from .isolate import child_main
 from .runner import NoMatch, run_contract
 
 
@@ -40,8 +41,6 @@ def main(argv=None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the isolated run's child: one record's steps
     args = parser.parse_args(argv)
     if args.child:
-        from .isolate import child_main
-
         return child_main(json.loads(args.child))
     if not faulthandler.is_enabled():
         faulthandler.enable()  # without --isolate a crash at least leaves the Python stack on stderr

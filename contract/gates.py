@@ -14,13 +14,8 @@ from .record import Case, KernelRecord, Shape, Source
 
 INT_POISON = 2147483520.0  # exact in float32 and far past any id or flag, so an unwritten int output shows
 
-# Called with (gate, shape label) before each shape a gate runs; an isolated run reports it, so a crash is placed.
-watch: Callable[[int, str], None] | None = None
-
-
-def _at(gate: int, label: str) -> None:
-    if watch is not None:
-        watch(gate, label)
+# Hears (gate, shape label) before each shape a gate runs: an isolated run reports it, so a crash is placed.
+OnShape = Callable[[int, str], None]
 
 
 @dataclass
@@ -201,10 +196,12 @@ def compare(record: KernelRecord, case: Case, outs: dict, expected: dict) -> tup
     return True, "", worst
 
 
-def gate_build(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs) -> GateResult:
+def gate_build(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs,
+               on_shape: OnShape | None = None) -> GateResult:
     """Gate 1: the implementation builds and one call launches and evaluates."""
     shape = shapes[0]
-    _at(1, shape.label)
+    if on_shape is not None:
+        on_shape(1, shape.label)
     try:
         run(kind, impl, inputs.case(shape, 1))
     except Exception as exc:  # any failure to build or launch is the finding
@@ -213,14 +210,15 @@ def gate_build(record: KernelRecord, kind: str, impl, shapes: list[Shape], input
 
 
 def gate_match(gate: int, record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs,
-               every: bool = False) -> GateResult:
+               every: bool = False, on_shape: OnShape | None = None) -> GateResult:
     """Gates 2 and 3: each shape's outputs match the float64 host reference on fresh inputs.
 
     A control stops at its first red shape; an implementation (`every`) runs them all, so each red one is named.
     """
     worst, exact, failures = 0.0, True, []
     for shape in shapes:
-        _at(gate, shape.label)
+        if on_shape is not None:
+            on_shape(gate, shape.label)
         try:
             case = inputs.case(shape, shape.rows)
             exact = exact and all(record.tolerance_for(shape.dims, name).exact for name in inputs.reference(case))
@@ -257,12 +255,13 @@ def _differs(a: dict, b: dict, row_a: int | None = None, row_b: int | None = Non
 
 
 def gate_bits(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs: Inputs, others: dict,
-              every: bool = False) -> GateResult:
+              every: bool = False, on_shape: OnShape | None = None) -> GateResult:
     """Gate 4: each row of a k-row call bit-equal to its 1-row call (k = 1..max_rows), repeats, and claims."""
     claim = record.bit_equal_to.get(kind)
     checked, failures = [], []
     for shape in shapes:
-        _at(4, shape.label)
+        if on_shape is not None:
+            on_shape(4, shape.label)
         why = _bits_of_shape(record, kind, impl, shape, inputs, others, claim, checked)
         if why:
             failures.append((shape.label, why))

@@ -20,13 +20,14 @@ from typing import Callable
 
 from . import devices, gates
 from .gates import GateResult
+from .registry import Registered, discover
 from .report import ControlResult, ImplResult, KernelResult
-from .runner import (Registered, Step, discover, finish_implementation, new_result, place, record_steps, run_step,
-                     step_name)
+from .steps import Step, finish_implementation, new_result, place, record_steps, run_step, step_name
 
 
 def _step(value) -> Step:
-    return (value[0], value[1])
+    """A step as it crossed the pipe: a JSON list [kind, control index or null]."""
+    return Step(str(value[0]), None if value[1] is None else int(value[1]))
 
 
 class _Child:
@@ -100,8 +101,8 @@ def _crashed(reg: Registered, step: Step, device: devices.Device, child: _Child,
     record = reg.record
     why = child.why()
     gate, label = child.at or (1, None)
-    if step[0] == "control":
-        control = record.controls[step[1]]
+    if step.control is not None:
+        control = record.controls[step.control]
         where = f" in gate {gate}" + (f" on {label}" if label else "") if child.at else ""
         return ControlResult(control.name, control.kind, control.gate, "missed", f"{why}{where}")
     results = dict(ran_gates)
@@ -111,7 +112,7 @@ def _crashed(reg: Registered, step: Step, device: devices.Device, child: _Child,
     results[gate] = GateResult(gate, "fail", text, failures=[(label, text)])
     for later in range(gate + 1, 5):
         results.setdefault(later, GateResult(later, f"not run (crashed in gate {gate})"))
-    return finish_implementation(record, step[1], device, results, 0.0)
+    return finish_implementation(record, step.kind, device, results, 0.0)
 
 
 def run_record_isolated(reg: Registered, index: int, device: devices.Device, seed: int,
@@ -128,7 +129,8 @@ def run_record_isolated(reg: Registered, index: int, device: devices.Device, see
         child = _Child(index, record.name, seed, pending)
         child.run(progress, lambda step: step_name(record, step))
         for step, data in child.done.items():
-            outcomes[step] = ImplResult.from_json(step[1], data) if step[0] == "impl" else ControlResult.from_json(data)
+            outcomes[step] = ImplResult.from_json(step.kind, data) if step.control is None \
+                else ControlResult.from_json(data)
         pending = [s for s in pending if s not in outcomes]
         if not pending:
             break
@@ -145,12 +147,12 @@ def run_record_isolated(reg: Registered, index: int, device: devices.Device, see
 
 def _unstarted(reg: Registered, step: Step, device: devices.Device, why: str):
     record = reg.record
-    if step[0] == "control":
-        control = record.controls[step[1]]
+    if step.control is not None:
+        control = record.controls[step.control]
         return ControlResult(control.name, control.kind, control.gate, "missed", f"never ran: {why}")
     results = {g: GateResult(g, "fail", f"never ran: {why}") if g == 1 else GateResult(g, "not run (never ran)")
                for g in (1, 2, 3, 4)}
-    return finish_implementation(record, step[1], device, results, 0.0)
+    return finish_implementation(record, step.kind, device, results, 0.0)
 
 
 def child_main(spec: dict) -> int:
@@ -173,13 +175,14 @@ def child_main(spec: dict) -> int:
         record = reg.record
         device = devices.current()
         inputs = gates.Inputs(record, spec["seed"])
-        gates.watch = lambda gate, label: emit({"at": [gate, label]})
+        def on_shape(gate: int, label: str) -> None:
+            emit({"at": [gate, label]})
 
         def on_gate(gate: int, result: GateResult) -> None:
             emit({"gate": gate, "result": {**result.as_json(), "failures": [list(f) for f in result.failures]}})
 
         for step in map(_step, spec["steps"]):
             emit({"start": list(step)})
-            outcome = run_step(record, step, device, inputs, on_gate)
+            outcome = run_step(record, step, device, inputs, on_gate, on_shape)
             emit({"done": list(step), "result": outcome.as_json()})
     return 0

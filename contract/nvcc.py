@@ -21,7 +21,7 @@ import numpy as np
 
 from .gates import _kernel_name, make_case
 from .record import Source
-from .runner import discover
+from .registry import discover
 
 _CTYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
            "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",

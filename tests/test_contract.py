@@ -340,7 +340,7 @@ def test_a_finding_excuses_only_its_case_symptom_backend_and_mlx_version():
 
 
 def test_the_llama_findings_name_edges_of_their_records_and_apply_only_to_mlx_on_cuda():
-    from tensorfold_contract.runner import discover
+    from tensorfold_contract.registry import discover
 
     records = {r.record.name: r.record for r in discover() if r.record is not None}
     named = {}

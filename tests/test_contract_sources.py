@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tensorfold_contract import gates, nvcc
-from tensorfold_contract.runner import discover
+from tensorfold_contract.registry import discover
 
 
 def _llama(name):
