@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import openai
 
-from common import (CODE_PROMPTS, MODEL, blas_env, capabilities, complete, decode_rate, first_difference, median,
-                    model_dir, platform_lines, server, spread, table, tokenize)
+from common import (CODE_PROMPTS, MODEL, BenchMismatch, blas_env, capabilities, check_same_replies, complete,
+                    decode_rate, exit_code, fail_if_any, median, model_dir, platform_lines, server, spread, table,
+                    tokenize)
 
 WARM_UP = "x = 1\n"  # a prompt no timed cell uses, so its kept state and drafter slot help none of them
 
@@ -111,15 +112,10 @@ def mlx_lm_worker() -> int:
     return 0
 
 
-def check(results: list[Result], reference: list[list[int]]) -> str | None:
-    """Why a cell's replies are not the serial reference, or None when every rep's ids equal it."""
+def check(name: str, results: list[Result], reference: list[list[int]]) -> None:
+    """Every rep's replies against the serial reference, full ids and lengths; BenchMismatch names the first."""
     for rep, result in enumerate(results):
-        for i, (reply, want) in enumerate(zip(result.replies, reference)):
-            at = first_difference(reply["ids"], want)
-            if at is not None:
-                return (f"rep {rep + 1}, prompt {i}: token {at} differs "
-                        f"({len(reply['ids'])} tokens vs {len(want)} in the reference)")
-    return None
+        check_same_replies(f"cell {name}, rep {rep + 1}", reference, [reply["ids"] for reply in result.replies])
 
 
 def draft_columns(cell: Cell, results: list[Result]) -> tuple[str, str]:
@@ -134,7 +130,9 @@ def draft_columns(cell: Cell, results: list[Result]) -> tuple[str, str]:
     return per_round, (f"{kept}/{offered} ({kept / offered:.0%})" if offered else "0")
 
 
-def report(config: tuple[str, str], cells: list[Cell], runs: dict[str, list[Result]], prompts: list[str]) -> bool:
+def report(config: tuple[str, str], cells: list[Cell], runs: dict[str, list[Result]],
+           prompts: list[str]) -> list[BenchMismatch]:
+    """The config's table; a cell whose ids differ gets FAIL and no speed, and comes back in the list."""
     dtype, blas = config
     print(f"\n## dtype {dtype}, BLAS {blas}\n")
     served = next((r.served for c in cells if not c.mlx_lm for r in runs[c.name] if r.served), {})
@@ -148,13 +146,14 @@ def report(config: tuple[str, str], cells: list[Cell], runs: dict[str, list[Resu
     finishes = [r["finish"] for r in runs[BASELINE][0].replies]
     print(f"reference: {len(reference)} prompts, {sum(map(len, reference))} tokens "
           f"({finishes.count('stop')} ended at an eos)")
-    rows, ok = [], True
+    rows, failures = [], []
     base_rates = [r.rate for r in runs[BASELINE]]
     for c in cells:
-        why = check(runs[c.name], reference)
-        if why:
-            ok = False
-            rows.append([c.name, f"FAIL: {why}", "-", "-", "-", "-", "-"])
+        try:
+            check(f"{c.name} ({dtype}, BLAS {blas})", runs[c.name], reference)
+        except BenchMismatch as failure:
+            failures.append(failure)
+            rows.append([c.name, f"FAIL: {failure}", "-", "-", "-", "-", "-"])
             continue
         rates = [r.rate for r in runs[c.name]]
         ratios = [a / b for a, b in zip(rates, base_rates) if b]
@@ -164,10 +163,10 @@ def report(config: tuple[str, str], cells: list[Cell], runs: dict[str, list[Resu
     print()
     print(table(["cell", "token ids", "tok/s (median)", "range", f"vs {BASELINE}", "tokens/round", "drafts kept"],
                 rows))
-    return ok
+    return failures
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each reply")
     parser.add_argument("--reps", type=int, default=3, help="rounds over every cell, in a rotated order")
@@ -177,7 +176,7 @@ def main() -> int:
     parser.add_argument("--cells", default=",".join(c.name for c in CELLS), help="comma list of cells")
     parser.add_argument("--mlx-draft", type=int, default=3, help="mlx-lm's num_draft_tokens")
     parser.add_argument("--mlx-lm-worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.mlx_lm_worker:
         return mlx_lm_worker()
     names = args.cells.split(",")
@@ -205,10 +204,11 @@ def main() -> int:
                     result = run_tensorfold(c, dtype, env, prompts, args.tokens)
                 runs[config][c.name].append(result)
                 print(f"rep {rep + 1} {dtype}/{blas} {c.name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    ok = all([report(config, cells, runs[config], texts) for config in configs])
+    failures = [f for config in configs for f in report(config, cells, runs[config], texts)]
     print("\n".join(["", *platform_lines()[:1]]))
-    return 0 if ok else 1
+    fail_if_any(failures)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code(main))

@@ -6,7 +6,8 @@ import argparse
 import sys
 import time
 
-from common import LONG_PROMPTS, MODEL, SHORT_PROMPTS, median, platform_lines, random_prompts, spread, table
+from common import (LONG_PROMPTS, MODEL, SHORT_PROMPTS, BenchMismatch, check_same_ids, exit_code, fail_if_any, median,
+                    platform_lines, random_prompts, spread, table)
 
 WORKLOADS = {
     "short": "the short code prompts on a fresh engine",
@@ -43,7 +44,16 @@ class Timed:
         return max((rows for _, rows, _ in self.calls), default=0)
 
 
-def main() -> int:
+def check_against_plain(label: str, got: dict[str, list[int]], failures: dict[str, BenchMismatch]) -> None:
+    """Each engine's ids against the plain engine's on the same prompt; an engine keeps its first failure."""
+    for name, tokens in got.items():
+        try:
+            check_same_ids(f"{label}: engine {name}", got["plain"], tokens)
+        except BenchMismatch as failure:
+            failures.setdefault(name, failure)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
@@ -52,7 +62,7 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
     parser.add_argument("--random-streams", type=int, default=12)
     parser.add_argument("--drafter", default="tiny-llama-drafter")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from tensorfold_core.drafting import start_drafter
     from tensorfold_core.host import load_target
@@ -87,7 +97,7 @@ def main() -> int:
     print("\n".join(platform_lines("bundled")))
     print(f"in-process engines (copy drafts off, so only the drafter is priced), {args.tokens} tokens greedy, dtype "
           f"{args.dtype}, {args.reps} reps; engines alternate per prompt; each engine keeps its costs across prompts")
-    ok = True
+    failed = []
     depths = [int(d) for d in args.depths.split(",")]
     for workload in args.workloads.split(","):
         texts = LONG_PROMPTS if workload == "long" else SHORT_PROMPTS[:4]
@@ -115,9 +125,7 @@ def main() -> int:
                     rates[name].append(rate)
                     kept[name] = [kept[name][0] + stats.drafted, kept[name][1] + stats.accepted,
                                   kept[name][2] + stats.rounds]
-                for name, tokens in got.items():
-                    if tokens != got["plain"] and name not in failures:
-                        failures[name] = f"rep {rep + 1}, prompt {i}: ids differ from plain"
+                check_against_plain(f"{workload}, rep {rep + 1}, prompt {i}", got, failures)
         print(f"\n## {workload}: {WORKLOADS[workload]}\n")
         print(f"priced engine: planner step_ms {before:.1f} before the timed prompts, "
               f"{engines['priced'].planner.costs.step_ms():.1f} after; a measured chain step (chains feeding no "
@@ -125,7 +133,7 @@ def main() -> int:
         rows = []
         for name in engines:
             if name in failures:
-                ok = False
+                failed.append(failures[name])
                 rows.append([name, f"FAIL: {failures[name]}", "-", "-", "-", "-"])
                 continue
             ratios = [a / b for a, b in zip(rates[name], rates["plain"])]
@@ -133,8 +141,9 @@ def main() -> int:
             rows.append([name, "equal", f"{median(rates[name]):.1f}", spread(rates[name]), f"{median(ratios):.2f}x",
                          f"{accepted}/{offered} in {rounds} rounds" if offered else f"0 in {rounds} rounds"])
         print(table(["engine", "token ids", "tok/s (median)", "range", "vs plain", "drafts kept"], rows))
-    return 0 if ok else 1
+    fail_if_any(failed)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code(main))

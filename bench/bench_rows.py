@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from common import LONG_PROMPTS, MODEL, SHORT_PROMPTS, blas_env, median, platform_lines, spread, table
+from common import (LONG_PROMPTS, MODEL, SHORT_PROMPTS, BenchMismatch, blas_env, check_same_ids, exit_code,
+                    fail_if_any, median, platform_lines, spread, table)
 
 PROMPTS = [SHORT_PROMPTS[1], LONG_PROMPTS[2]]  # a short and a long code context
 
@@ -31,7 +32,7 @@ def summary(run: dict) -> dict:
     tokens = sum(r["tokens"] for r in rounds)
     return {"round_ms": median(r["ms"] for r in rounds), "tokens_per_round": tokens / len(rounds) if rounds else 0,
             "rate": 1000 * tokens / ms if ms else 0.0, "ids": run["token_ids"],
-            "equal": run.get("equal_to_plain", True), "drafted": sum(r["drafted"] for r in rounds),
+            "plain_ids": run.get("plain_token_ids", run["token_ids"]), "drafted": sum(r["drafted"] for r in rounds),
             "kept": sum(r["kept"] for r in rounds), "probe": run["row_invariance"]}
 
 
@@ -92,20 +93,29 @@ def forward_table(args, config: tuple[str, str]) -> None:
                 [[d, *[f"{got[(name, d)]:.2f}" for name in job["drafters"]]] for d in job["depths"]]))
 
 
-def report(args, config: tuple[str, str], runs: dict) -> bool:
+def check(depth: int, cells: list[dict], reference: list[int]) -> None:
+    """Every rep's ids at depth N, and the plain decode its run checked them against, are the N=0 reference's."""
+    for rep, cell in enumerate(cells):
+        check_same_ids(f"N={depth}, rep {rep + 1}", reference, cell["ids"])
+        check_same_ids(f"N={depth}, rep {rep + 1}, its run's own plain decode", reference, cell["plain_ids"])
+
+
+def report(args, config: tuple[str, str], runs: dict) -> list[BenchMismatch]:
+    """The config's table; a depth whose ids differ gets FAIL and no speed, and comes back in the list."""
     dtype, blas = config
     print(f"\n## dtype {dtype}, BLAS {blas}: `tensorfold run --draft {args.drafter},N`\n")
     probe = runs[0][0]["probe"]
     print(f"row-invariance probe: {'pass' if probe.get('row_invariant') else 'FAIL'} ({probe.get('detail')})")
     reference = runs[0][0]["ids"]
     base = runs[0]
-    rows, ok = [], True
+    rows, failures = [], []
     for depth in args.depths:
         cells = runs[depth]
-        bad = next((i for i, s in enumerate(cells) if not s["equal"] or s["ids"] != reference), None)
-        if bad is not None:
-            ok = False
-            rows.append([depth, f"FAIL (rep {bad + 1}: ids differ from N=0)", *["-"] * 6])
+        try:
+            check(depth, cells, reference)
+        except BenchMismatch as failure:
+            failures.append(BenchMismatch(f"{dtype}, BLAS {blas}: {failure}"))
+            rows.append([depth, f"FAIL: {failure}", *["-"] * 6])
             continue
         rates = [s["rate"] for s in cells]
         ratios = [a["rate"] / b["rate"] for a, b in zip(cells, base) if b["rate"]]
@@ -115,10 +125,10 @@ def report(args, config: tuple[str, str], runs: dict) -> bool:
                      f"{kept / offered:.0%}" if offered else "-", f"{median(rates):.1f}", spread(rates),
                      f"{median(ratios):.2f}x"])
     print(table(["N", "token ids", "round ms", "tokens/round", "drafts kept", "tok/s", "range", "vs N=0"], rows))
-    return ok
+    return failures
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
@@ -131,7 +141,7 @@ def main() -> int:
     parser.add_argument("--forward-reps", type=int, default=15)
     parser.add_argument("--max-rows", type=int, default=9)
     parser.add_argument("--forward-worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.depths = sorted({int(d) for d in args.depths.split(",")} | {0})
     if args.forward_worker:
         return forward_worker()
@@ -148,12 +158,13 @@ def main() -> int:
                 run = check_run(prompt, depth, args.drafter, config[0], args.tokens, blas_env(config[1]))
                 runs[config][depth].append(summary(run))
             print(f"rep {rep + 1} {config[0]}/{config[1]} done", file=sys.stderr)
-    ok = all([report(args, config, runs[config]) for config in configs])
+    failures = [f for config in configs for f in report(args, config, runs[config])]
+    fail_if_any(failures)  # the bare forward timed below is the one whose ids these tables checked
     if args.forward:
         for config in configs:
             forward_table(args, config)
-    return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code(main))

@@ -1,4 +1,4 @@
-"""Helpers for benchmarks: a fresh `tensorfold serve` subprocess per cell, the openai client, prompts, checks."""
+"""Helpers for benchmarks: a fresh `tensorfold serve` subprocess per cell, the openai client, prompts, id checks."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import httpx
 
@@ -186,9 +187,49 @@ def capabilities(url: str) -> dict:
 
 def first_difference(got: list[int], want: list[int]) -> int | None:
     """Index of the first differing token (a length difference counts); None when equal."""
+    got, want = list(got), list(want)
     if got == want:
         return None
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+class BenchMismatch(Exception):
+    """A cell's output is not its reference's: it gets no speed, and the benchmark exits 1."""
+
+
+def check_same_ids(label: str, reference: list[int], other: list[int]) -> None:
+    """Raise BenchMismatch unless `other` is `reference` exactly, lengths included, naming the first difference."""
+    at = first_difference(other, reference)
+    if at is None:
+        return
+    got = other[at] if at < len(other) else "past its end"
+    want = reference[at] if at < len(reference) else "past its end"
+    raise BenchMismatch(f"{label}: token {at} is {got}, the reference's is {want} "
+                        f"(lengths: {len(other)} here, {len(reference)} in the reference)")
+
+
+def check_same_replies(label: str, reference: list[list[int]], other: list[list[int]]) -> None:
+    """Every reply's ids against the reference reply of the same prompt; a missing or extra reply fails too."""
+    if len(other) != len(reference):
+        raise BenchMismatch(f"{label}: {len(other)} replies here, {len(reference)} in the reference")
+    for i, (want, got) in enumerate(zip(reference, other)):
+        check_same_ids(f"{label}, prompt {i}", want, got)
+
+
+def fail_if_any(failures: list[BenchMismatch]) -> None:
+    """Raise the first of a table's mismatches (counting the rest), once the table is printed."""
+    if failures:
+        more = f" (and {len(failures) - 1} more failed cells above)" if len(failures) > 1 else ""
+        raise BenchMismatch(f"{failures[0]}{more}")
+
+
+def exit_code(main: Callable[[], int]) -> int:
+    """A benchmark's exit code: a BenchMismatch becomes one FAIL line on stderr and 1."""
+    try:
+        return main()
+    except BenchMismatch as exc:
+        print(f"FAIL {exc}; no speed quoted for it", file=sys.stderr)
+        return 1
 
 
 def median(values) -> float:

@@ -1,0 +1,160 @@
+"""The benchmarks' output checks: a reply that differs anywhere, in any way, fails before a speed is printed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+_before = signal.getsignal(signal.SIGTERM)
+import bench_cache  # noqa: E402
+import bench_decode  # noqa: E402
+import bench_family  # noqa: E402
+import bench_pricing  # noqa: E402
+import bench_rows  # noqa: E402
+from common import BenchMismatch, check_same_ids, check_same_replies, exit_code, fail_if_any  # noqa: E402
+
+signal.signal(signal.SIGTERM, _before)  # common's handler is for a benchmark's own process, not pytest's
+
+
+def test_equal_ids_pass():
+    check_same_ids("cell", [5, 6, 7], [5, 6, 7])
+
+
+def test_a_shorter_reply_with_an_equal_prefix_fails_at_its_end():
+    with pytest.raises(BenchMismatch, match="token 2 is past its end, the reference's is 7") as failure:
+        check_same_ids("cell", [5, 6, 7], [5, 6])
+    assert "lengths: 2 here, 3 in the reference" in str(failure.value)
+
+
+def test_a_longer_reply_with_an_equal_prefix_fails_too():
+    with pytest.raises(BenchMismatch, match="token 3 is 8, the reference's is past its end"):
+        check_same_ids("cell", [5, 6, 7], [5, 6, 7, 8])
+
+
+def test_one_differing_id_fails_naming_the_cell_its_position_and_both_ids():
+    with pytest.raises(BenchMismatch, match=r"^drafted, rep 2: token 1 is 9, the reference's is 6"):
+        check_same_ids("drafted, rep 2", [5, 6, 7], [5, 9, 7])
+
+
+def test_an_empty_reply_against_a_nonempty_reference_fails():
+    with pytest.raises(BenchMismatch, match="token 0"):
+        check_same_ids("cell", [5], [])
+
+
+def test_a_missing_reply_fails_even_when_every_reply_present_is_equal():
+    with pytest.raises(BenchMismatch, match="1 replies here, 2 in the reference"):
+        check_same_replies("cell", [[1, 2], [3, 4]], [[1, 2]])
+
+
+def test_replies_are_checked_prompt_by_prompt():
+    with pytest.raises(BenchMismatch, match="cell, prompt 1: token 1 is 5"):
+        check_same_replies("cell", [[1, 2], [3, 4]], [[1, 2], [3, 5]])
+
+
+def test_a_mismatch_becomes_exit_code_1_and_one_fail_line(capsys):
+    def main():
+        check_same_ids("cell", [1, 2], [1, 3])
+        print("100.0 tok/s")
+        return 0
+
+    assert exit_code(main) == 1
+    out, err = capsys.readouterr()
+    assert "tok/s" not in out
+    assert err.strip().splitlines() == ["FAIL cell: token 1 is 3, the reference's is 2 (lengths: 2 here, 2 in the "
+                                        "reference); no speed quoted for it"]
+
+
+def test_a_table_with_failed_cells_ends_in_the_first_failure_and_a_count():
+    with pytest.raises(BenchMismatch, match=r"^a: why \(and 1 more failed cells above\)$"):
+        fail_if_any([BenchMismatch("a: why"), BenchMismatch("b: why")])
+    fail_if_any([])
+
+
+def test_bench_family_quotes_no_speed_and_exits_1_when_mlx_lm_stops_early(monkeypatch, capsys):
+    run = {"prompt_ids": [1, 2], "token_ids": [10, 11, 12, 13], "decode_tokens_per_s": 50.0}
+    monkeypatch.setattr(bench_family, "ours", lambda model, tokens, dtype: run)
+    monkeypatch.setattr(bench_family, "theirs", lambda path, ids, tokens, dtype: ([10, 11, 12], 60.0))
+    monkeypatch.setattr(bench_family, "model_dir", lambda model: model)
+    assert exit_code(lambda: bench_family.main(["tiny-llama", "--tokens", "4", "--reps", "1"])) == 1
+    out, err = capsys.readouterr()
+    assert "tok/s" not in out
+    assert "tiny-llama (auto) rep 1: tensorfold against mlx-lm: token 3 is 13" in err
+
+
+def test_bench_cache_refuses_a_resumed_reply_that_differs_from_the_cold_one():
+    bench_cache.check_resumed("tiny-llama", [4, 5, 6], [4, 5, 6])
+    with pytest.raises(BenchMismatch, match="resumed reply against the cold one: token 2"):
+        bench_cache.check_resumed("tiny-llama", [4, 5, 6], [4, 5])
+    with pytest.raises(BenchMismatch, match="no token ids"):
+        bench_cache.check_resumed("tiny-llama", [], [])
+
+
+def _decode_result(replies: list[list[int]], rate: float) -> bench_decode.Result:
+    served = {"drafter": "tiny-llama-drafter", "row_invariance": {"row_invariant": True, "detail": "test"}}
+    return bench_decode.Result([{"ids": ids, "finish": "length", "stats": {}} for ids in replies], rate, served)
+
+
+def test_bench_decode_prints_fail_and_no_speed_for_a_cell_one_token_short(capsys):
+    cells = [c for c in bench_decode.CELLS if c.name in ("serial", "drafted")]
+    runs = {"serial": [_decode_result([[1, 2, 3], [4, 5]], 80.0)],
+            "drafted": [_decode_result([[1, 2, 3], [4]], 123.4)]}
+    failures = bench_decode.report(("auto", "bundled"), cells, runs, ["a", "b"])
+    table = capsys.readouterr().out
+    assert [str(f) for f in failures] == ["cell drafted (auto, BLAS bundled), rep 1, prompt 1: token 1 is past its "
+                                          "end, the reference's is 5 (lengths: 1 here, 2 in the reference)"]
+    assert "123.4" not in table
+    assert "| 80.0" in table
+
+
+def test_bench_rows_checks_each_depth_and_the_plain_decode_of_its_run():
+    cell = {"ids": [1, 2, 3], "plain_ids": [1, 2, 3]}
+    bench_rows.check(2, [cell], [1, 2, 3])
+    with pytest.raises(BenchMismatch, match="N=2, rep 2: token 2 is 9"):
+        bench_rows.check(2, [cell, {"ids": [1, 2, 9], "plain_ids": [1, 2, 3]}], [1, 2, 3])
+    with pytest.raises(BenchMismatch, match="its run's own plain decode: token 3"):
+        bench_rows.check(2, [{"ids": [1, 2, 3], "plain_ids": [1, 2, 3, 4]}], [1, 2, 3])
+
+
+def test_bench_pricing_keeps_each_engines_first_difference_from_plain():
+    failures = {}
+    bench_pricing.check_against_plain("short, rep 1, prompt 0", {"plain": [1, 2], "priced": [1, 2],
+                                                                 "fixed 1": [1]}, failures)
+    bench_pricing.check_against_plain("short, rep 1, prompt 1", {"plain": [3, 4], "priced": [3, 4],
+                                                                 "fixed 1": [3, 5]}, failures)
+    assert list(failures) == ["fixed 1"]
+    assert str(failures["fixed 1"]).startswith("short, rep 1, prompt 0: engine fixed 1: token 1 is past its end")
+
+
+def test_the_gemv_bench_refuses_an_output_off_the_float64_reference():
+    import mlx.core as mx
+    import numpy as np
+
+    from tensorfold_contract.gates import Inputs
+    from tensorfold_contract.record import Shape
+    from tensorfold_llama.kernels import bench
+
+    for bits, dims in ((16, {"n": 64, "k": 256}), (4, {"n": 64, "k": 256, "group": 64})):
+        record = bench.RECORDS[bits]
+        full = Inputs(record, 0).case(Shape("tiny", dims, 4), 4)
+        reference = record.reference(full)["y"]
+        case = full.take_rows(0, 3)
+        assert bench.off_reference("ours", record, case, mx.array(reference[:3].astype(np.float32)), reference) is None
+        doctored = reference[:3].astype(np.float32)
+        doctored[2, 5] += 0.01 * np.abs(reference[2]).max()
+        assert "ours, 3 rows: tiny: y row 2 off by" in bench.off_reference("ours", record, case, mx.array(doctored),
+                                                                           reference)
+        assert bench.off_reference("ours", record, case, mx.array(reference[:2].astype(np.float32)), reference)
+
+
+def test_bench_family_runs_the_shipped_tiny_model_to_exit_0():
+    done = subprocess.run([sys.executable, str(BENCH / "bench_family.py"), "tiny-llama", "--tokens", "6", "--reps",
+                           "1"], capture_output=True, text=True, cwd=BENCH, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "same greedy tokens" in done.stdout
