@@ -3,24 +3,35 @@
 # python -m tensorfold_llama.kernels.bench [--json OUT] [--reps 5] [--launches 20]
 # Each timing evaluates `launches` independent calls at once (one eval's synchronisation spread over them) and keeps
 # the median of `reps`; GB/s counts the weight bytes (scales and biases included), as the device notes do.
+# No cell is timed before both outputs match the record's float64 reference on the very inputs timed: a fast wrong
+# kernel must not print a speed.
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
 
 import mlx.core as mx
+import numpy as np
 
-from tensorfold_contract.gates import _build
-from tensorfold_contract.record import Case, Shape
+from tensorfold_contract.gates import Inputs, _build, compare, run
+from tensorfold_contract.record import Case, KernelRecord, Shape, Tolerance
 
-from .gemv import source
+from .common import BF16_ULP
+from .gemv import BF16, Q4, source
 
 SIZES = ((8192, 8192, "N=K=8192"), (14336, 4096, "8B gate/up 14336x4096"))
 ROWS = (1, 4, 8, 16)
+RECORDS = {16: BF16, 4: Q4}
+GROUP = 64
+SEED = 0
+# MLX's built-ins compute in bf16 (its CPU 4-bit kernel even accumulates in it), so no fp32 bound holds for them:
+# their check proves they compute this product (a wrong layout, group or transpose is off by the output's own size)
+BUILTIN_TOLERANCE = Tolerance(rtol=8 * BF16_ULP)
 
 
 def timed(fn, reps: int, launches: int) -> float:
@@ -34,14 +45,12 @@ def timed(fn, reps: int, launches: int) -> float:
     return statistics.median(samples)
 
 
-def ours(bits: int, n: int, k: int, rows: int, arrays: dict):
+def ours(bits: int, case: Case):
+    """One launch of the contract's cuda source on the case's device arrays, without the gates' poison fill."""
     src = source("cuda", bits)
-    dims = {"n": n, "k": k} if bits == 16 else {"n": n, "k": k, "group": 64}
-    launch = src.launch(Case(Shape("bench", dims, rows), rows, {}, ("x",)))
+    launch = src.launch(case)
     kernel = _build("cuda", src, launch.dynamic_shared)
-    names = ("x", "w") if bits == 16 else ("x", "wq", "scales", "biases")
-    inputs = [arrays[name] if name != "x" else arrays["x"][:rows] for name in names]
-    inputs.append(mx.array([rows, n, k], dtype=mx.int32))
+    inputs = src.inputs(case)
 
     def call():
         return kernel(inputs=inputs, template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
@@ -50,30 +59,52 @@ def ours(bits: int, n: int, k: int, rows: int, arrays: dict):
     return call
 
 
-def builtin(bits: int, rows: int, arrays: dict):
-    x = arrays["x"][:rows]
+def builtin(bits: int, case: Case):
+    """The MLX call our kernel replaces, on bf16 activations as the model gives them (its output is bf16 too)."""
+    x = case.array("x", mx.bfloat16)
     if bits == 16:
-        return lambda: x @ arrays["w"].T
-    return lambda: mx.quantized_matmul(x, arrays["wq"], arrays["scales"], arrays["biases"], transpose=True,
-                                       group_size=64, bits=bits)
+        w = case.array("w", mx.bfloat16)
+        return lambda: x @ w.T
+    wq, scales, biases = case.array("wq"), case.array("scales", mx.bfloat16), case.array("biases", mx.bfloat16)
+    return lambda: mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=case.dims["group"], bits=bits)
 
 
-def measure(reps: int, launches: int) -> list[dict]:
-    out = []
+def off_reference(who: str, record: KernelRecord, case: Case, got, reference: np.ndarray) -> str | None:
+    """Why `got` (one call's y) is not the reference's first rows within the record's tolerance; None when it is."""
+    ok, why, _ = compare(record, case, {"y": got}, {"y": reference[:case.rows]})
+    return None if ok else f"{who}, {case.rows} rows: {why}"
+
+
+def mismatches(bits: int, case: Case, reference: np.ndarray) -> list[str]:
+    """Ours within the record's tolerance (poison-filled, so an unwritten element shows), and MLX's built-in."""
+    record = RECORDS[bits]
+    found = [off_reference("ours", record, case, run("cuda", source("cuda", bits), case)["y"], reference),
+             off_reference("mlx", dataclasses.replace(record, tolerance=BUILTIN_TOLERANCE), case,
+                           builtin(bits, case)(), reference)]
+    return [why for why in found if why]
+
+
+def measure(reps: int, launches: int) -> tuple[list[dict], list[str]]:
+    """Every cell checked, then timed; (timed rows, failures of cells left untimed)."""
+    out, failures = [], []
     for n, k, label in SIZES:
-        w = (mx.random.normal((n, k)) * k ** -0.5).astype(mx.bfloat16)
-        x = mx.random.normal((max(ROWS), k)).astype(mx.bfloat16)
         for bits in (16, 4):
-            arrays = {"x": x, "w": w}
-            if bits != 16:
-                wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
-                arrays.update(wq=wq, scales=scales, biases=biases)
-            mx.eval(list(arrays.values()))
-            weight_bytes = sum(arrays[a].nbytes for a in (("w",) if bits == 16 else ("wq", "scales", "biases")))
+            weights = "bf16" if bits == 16 else "4-bit"
+            dims = {"n": n, "k": k} if bits == 16 else {"n": n, "k": k, "group": GROUP}
+            full = Inputs(RECORDS[bits], SEED).case(Shape(f"{label} {weights}", dims, max(ROWS)), max(ROWS))
+            reference = RECORDS[bits].reference(full)["y"]  # rows are independent: the 16-row one serves every call
+            names = ("w",) if bits == 16 else ("wq", "scales", "biases")
+            weight_bytes = sum(full.array(a, mx.bfloat16 if a != "wq" else None).nbytes for a in names)
             for rows in ROWS:
-                t_ours = timed(ours(bits, n, k, rows, arrays), reps, launches)
-                t_mlx = timed(builtin(bits, rows, arrays), reps, launches)
-                row = {"size": label, "n": n, "k": k, "weights": "bf16" if bits == 16 else "4-bit", "rows": rows,
+                case = full.take_rows(0, rows)
+                wrong = mismatches(bits, case, reference)
+                if wrong:
+                    failures += wrong
+                    print(f"{label:>22} {weights:>5} rows {rows:>2}: FAIL {'; '.join(wrong)}; not timed", flush=True)
+                    continue
+                t_ours = timed(ours(bits, case), reps, launches)
+                t_mlx = timed(builtin(bits, case), reps, launches)
+                row = {"size": label, "n": n, "k": k, "weights": weights, "rows": rows,
                        "ours_us": round(t_ours * 1e6, 1), "ours_gbps": round(weight_bytes / t_ours / 1e9, 1),
                        "mlx_us": round(t_mlx * 1e6, 1), "mlx_gbps": round(weight_bytes / t_mlx / 1e9, 1),
                        "ours_vs_mlx": round(t_mlx / t_ours, 2)}
@@ -81,7 +112,7 @@ def measure(reps: int, launches: int) -> list[dict]:
                 print(f"{label:>22} {row['weights']:>5} rows {rows:>2}: ours {row['ours_us']:>8.1f} us "
                       f"{row['ours_gbps']:>7.1f} GB/s | mlx {row['mlx_us']:>8.1f} us {row['mlx_gbps']:>7.1f} GB/s "
                       f"| x{row['ours_vs_mlx']}", flush=True)
-    return out
+    return out, failures
 
 
 def main(argv=None) -> int:
@@ -94,11 +125,16 @@ def main(argv=None) -> int:
         print("the GEMV benchmark times the cuda source: no CUDA device here", file=sys.stderr)
         return 2
     info = dict(mx.device_info()) if hasattr(mx, "device_info") else {}
-    results = measure(args.reps, args.launches)
+    results, failures = measure(args.reps, args.launches)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": {k: str(v) for k, v in info.items()}, "mlx": mx.__version__, "reps": args.reps,
-                       "launches_per_eval": args.launches, "results": results}, f, indent=1)
+                       "launches_per_eval": args.launches, "checked": "outputs against the float64 reference first",
+                       "results": results, "failures": failures}, f, indent=1)
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        print(f"FAIL {failures[0]}{more}; those cells were not timed", file=sys.stderr)
+        return 1
     return 0
 
 
