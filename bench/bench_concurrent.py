@@ -103,6 +103,7 @@ def run_workload(name: str, args) -> bool:
           f"{args.waves} waves per cell, dtype {args.dtype}, BLAS {args.blas}\n")
     references: dict[str, dict[str, list[list[int]]]] = {mode: {} for mode in MODES}
     serial = one_by_one("plain", requests, args)  # plain mode sends draft: false, so alone it is the serial reference
+    alone_ok = True  # a request no wave sends is still checked here, so its FAIL must fail the run too
     if args.serial:
         for mode in MODES:
             references[mode]["serial (draft: false, alone)"] = serial
@@ -113,6 +114,7 @@ def run_workload(name: str, args) -> bool:
         diff = next(((i, at) for i, (a, b) in enumerate(zip(alone, serial))
                      if (at := first_difference(a, b)) is not None), None)
         print(f"drafted alone vs serial: {'equal' if diff is None else f'FAIL request {diff[0]} token {diff[1]}'}")
+        alone_ok = diff is None
     runs = {(mode, level): [] for level in args.levels for mode in MODES}
     for rep in range(args.reps):
         for level in args.levels:
@@ -139,7 +141,7 @@ def run_workload(name: str, args) -> bool:
     print(f"token ids checked ({checks}) before any rate is quoted\n")
     print(table(["streams", "token ids", "drafted tok/s", "plain tok/s", "drafted/plain (median)", "worst rep",
                  "drafted: tokens/round, drafts kept"], rows))
-    return ok
+    return ok and alone_ok
 
 
 def main() -> int:
@@ -162,6 +164,8 @@ def main() -> int:
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0, help="the random workload's temperature")
     args = parser.parse_args()
+    if not (args.alone or args.serial):
+        parser.error("--no-alone with --no-serial would quote rates for replies nothing checked")
     args.levels = [int(n) for n in args.levels.split(",")]
     print("\n".join(platform_lines(args.blas)))
     print("a fresh server per cell (--parallel = the most streams); drafted and plain cells alternate; medians of "
