@@ -6,18 +6,24 @@ import argparse
 import faulthandler
 import json
 import sys
+import time
 
 from .isolate import child_main
 from .runner import NoMatch, run_contract
 
 
 def run_cli(only=(), as_json: bool = False, seed: int | None = None, out=None, err=None,
-            isolate: bool | None = None) -> int:
+            isolate: bool | None = None, jobs: int | None = None, progress: bool | None = None) -> int:
     """Run the contract and print it; 0 when nothing failed and no control was missed, 1 otherwise, 2 on misuse."""
     out, err = out or sys.stdout, err or sys.stderr
-    progress = (lambda what: print(f"  … {what}", file=err, flush=True)) if err.isatty() else None
+    start = time.monotonic()
+
+    def step(what: str) -> None:
+        print(f"  … {time.monotonic() - start:6.1f} s  {what}", file=err, flush=True)
+
     try:
-        report = run_contract(only=only, seed=seed, progress=progress, isolate=isolate)
+        report = run_contract(only=only, seed=seed, progress=step if (err.isatty() if progress is None else progress)
+                              else None, isolate=isolate, jobs=jobs)
     except NoMatch as exc:
         print(f"tensorfold contract: error: {exc}", file=err)
         return 2
@@ -38,10 +44,17 @@ def main(argv=None) -> int:
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="run each record in a child process, so a crash fails that record and the run goes "
                              "on (default: on a GPU, not on the CPU)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="isolated records to run at once (default: 4 where isolated, else 1)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="print each step as it starts, with the seconds since the run began, on stderr "
+                             "(default: when stderr is a terminal)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the isolated run's child: one record's steps
     args = parser.parse_args(argv)
+    if args.jobs is not None and (args.jobs < 1 or (args.jobs > 1 and args.isolate is False)):
+        parser.error("--jobs takes 1 or more, and more than 1 only where records are isolated")
     if args.child:
         return child_main(json.loads(args.child))
     if not faulthandler.is_enabled():
         faulthandler.enable()  # without --isolate a crash at least leaves the Python stack on stderr
-    return run_cli(args.only, args.json, args.seed, isolate=args.isolate)
+    return run_cli(args.only, args.json, args.seed, isolate=args.isolate, jobs=args.jobs, progress=args.progress)

@@ -15,6 +15,15 @@ class ImplResult:
     known: list = field(default_factory=list)
     seconds: float = 0.0
 
+    def not_run_why(self) -> str | None:
+        """Why this implementation did not run here ("no CUDA device", ...), or None where it ran."""
+        if not self.status.startswith("not run"):
+            return None
+        if self.status.startswith("not run ("):
+            return self.status[len("not run ("):-1]
+        gate = self.gates.get(1)  # e.g. every served shape heavy: gate 1 says so
+        return gate.detail if gate is not None and gate.detail else "not run"
+
     def limit_problems(self) -> set[str]:
         gate = self.gates.get(5)
         return {name for name, _ in gate.problems} if gate is not None else set()
@@ -89,9 +98,13 @@ class Report:
 
     def summary(self) -> dict:
         ran = [c for k in self.kernels for c in k.controls if c.status in ("red", "missed")]
+        not_run: dict[str, int] = {}
+        for why in sorted(w for k in self.kernels for r in k.implementations.values() if (w := r.not_run_why())):
+            not_run[why] = not_run.get(why, 0) + 1
         return {
             "kernels": len(self.kernels),
             "pass": sum(k.status == "pass" for k in self.kernels),
+            "not_run": not_run,  # implementations that did not run here, by why: not counted as passing
             "fail": sum(k.status == "fail" for k in self.kernels),
             "known_findings": sum(len(r.known) for k in self.kernels for r in k.implementations.values()),
             "controls": len(ran),
@@ -106,10 +119,7 @@ class Report:
         return s["fail"] == 0 and s["missed"] == 0
 
     def summary_line(self) -> str:
-        s = self.summary()
-        return (f"SUMMARY {s['kernels']} kernels: {s['pass']} pass gates 1-4, {s['fail']} fail, "
-                f"{s['known_findings']} known findings; {s['controls']} controls: {s['red']} red as planted, "
-                f"{s['missed']} missed; {s['limit_problems']} limit problems")
+        return summary_line(self.summary())
 
     def lines(self) -> list[str]:
         out = [f"tensorfold contract on {self.device.name} ({self.device.backend}, mlx {self.device.mlx}), "
@@ -136,3 +146,16 @@ class Report:
         return {"summary": self.summary(), "ok": self.ok, "seed": self.seed, "only": self.only,
                 "isolated": self.isolated,
                 "kernels": [k.as_json() for k in self.kernels], "device": self.device.as_json()}
+
+
+def summary_line(s: dict) -> str:
+    """The SUMMARY line of a report's summary (the H200 script rebuilds it from the JSON with this)."""
+    passed = f"{s['pass']} pass gates 1-4"
+    not_run = s.get("not_run") or {}
+    if not_run:
+        n = sum(not_run.values())
+        why = next(iter(not_run)) if len(not_run) == 1 else ", ".join(f"{c} {w}" for w, c in not_run.items())
+        passed += f" where they ran ({n} implementation{'' if n == 1 else 's'} not run: {why})"
+    return (f"SUMMARY {s['kernels']} kernels: {passed}, {s['fail']} fail, {s['known_findings']} known findings; "
+            f"{s['controls']} controls: {s['red']} red as planted, {s['missed']} missed; "
+            f"{s['limit_problems']} limit problems")

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from . import devices
 from .isolate import run_record_isolated
-from .registry import discover
+from .registry import Registered, discover
 from .report import Report
 from .steps import new_result, run_record
 
+# Isolated records run this many at a time by default: each child is a process of its own, and most of a
+# record's time is host work (references, compiles) that a GPU machine has the cores for (docs/kernel-contract.md)
+JOBS = 4
+
 
 def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, device: devices.Device | None = None,
-                 progress: Callable[[str], None] | None = None, isolate: bool | None = None) -> Report:
+                 progress: Callable[[str], None] | None = None, isolate: bool | None = None,
+                 jobs: int | None = None) -> Report:
     """Run every registered record (or those `only` names: kernel, family, plugin or distribution; globs allowed).
 
     `isolate` runs each record in a child process (default: on a GPU, not on the CPU), so a crash in MLX or a
     kernel fails that record's step, and the rest of the run and its summary go on. Children find the records
-    through the installed entry points, so isolation takes no `pm`.
+    through the installed entry points, so isolation takes no `pm`. `jobs` isolated records run at once (default
+    JOBS where isolated); the report keeps record order.
     """
     only = list(only)
     seed = secrets.randbits(32) if seed is None else seed
@@ -27,23 +35,32 @@ def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, dev
         isolate = device.backend != "cpu" and pm is None
     if isolate and pm is not None:
         raise ValueError("an isolated run finds its records through installed entry points: pass no pm")
+    jobs = (min(JOBS, os.cpu_count() or 1) if isolate else 1) if jobs is None else jobs
+    if jobs < 1 or (jobs > 1 and not isolate):
+        raise ValueError(f"jobs {jobs}: records run side by side only in child processes (isolated), 1 or more")
     found = discover(pm)
     chosen = [r for r in found if not only or r.matches(only)]
     if only and not chosen:
         known = sorted({n for r in found for n in (r.plugin, r.record.family if r.record else r.plugin)})
         raise NoMatch(only, known)
     report = Report(device=device, seed=seed, only=only, registered=len(found), isolated=isolate)
-    for reg in chosen:
+
+    def one(reg: Registered):
         try:
             if isolate and reg.record is not None:
-                kernel = run_record_isolated(reg, next(i for i, r in enumerate(found) if r is reg), device, seed,
-                                             progress)
-            else:
-                kernel = run_record(reg, device, seed, progress)
+                return run_record_isolated(reg, next(i for i, r in enumerate(found) if r is reg), device, seed,
+                                           progress)
+            return run_record(reg, device, seed, progress)
         except Exception as exc:  # a fault in the runner or a record's own code: that record fails, the run goes on
             kernel = new_result(reg)
             kernel.problems.append(f"the runner stopped on this record: {type(exc).__name__}: {str(exc)[:300]}")
-        report.kernels.append(kernel)
+            return kernel
+
+    if jobs > 1:  # each record's work is in its own child: the threads here only wait on their pipes
+        with ThreadPoolExecutor(jobs) as pool:
+            report.kernels = list(pool.map(one, chosen))
+    else:
+        report.kernels = [one(reg) for reg in chosen]
     return report
 
 

@@ -12,6 +12,7 @@ from tensorfold_contract import (Control, KernelRecord, Launch, Shape, Source, T
                                  swap, variant)
 from tensorfold_contract import devices, gates
 from tensorfold_contract.cli import run_cli
+from tensorfold_contract.report import summary_line
 from tensorfold_core import hookimpl
 from tensorfold_core.plugins import new_plugin_manager
 
@@ -60,15 +61,30 @@ def test_cuda_and_metal_implementations_are_reported_not_run_never_pass(llama_re
 
 def test_the_summary_line_counts_kernels_passes_findings_controls_and_limit_problems(llama_report):
     s = llama_report.summary()
+    cuda, metal = s["not_run"]["no CUDA device"], s["not_run"]["no Metal device"]
     assert llama_report.lines()[-1] == (
-        f"SUMMARY {s['kernels']} kernels: {s['pass']} pass gates 1-4, 0 fail, 0 known findings; "
+        f"SUMMARY {s['kernels']} kernels: {s['pass']} pass gates 1-4 where they ran ({cuda + metal} implementations "
+        f"not run: {cuda} no CUDA device, {metal} no Metal device), 0 fail, 0 known findings; "
         f"{s['controls']} controls: {s['controls']} red as planted, 0 missed; 0 limit problems")
+
+
+def test_a_kernel_whose_gpu_implementations_did_not_run_is_never_summed_up_as_a_plain_pass(llama_report):
+    cuda = sum("cuda" in k.implementations for k in llama_report.kernels)
+    metal = sum("metal" in k.implementations for k in llama_report.kernels)
+    assert llama_report.summary()["not_run"] == {"no CUDA device": cuda, "no Metal device": metal}
+    assert f"pass gates 1-4 where they ran ({cuda + metal} implementations not run: " in llama_report.lines()[-1]
+    # one reason alone is named without a count; a report where everything ran keeps the plain words
+    assert summary_line({**llama_report.summary(), "not_run": {"no Metal device": 1}}).startswith(
+        f"SUMMARY {len(llama_report.kernels)} kernels: {len(llama_report.kernels)} pass gates 1-4 where they ran "
+        "(1 implementation not run: no Metal device), 0 fail")
+    assert summary_line({**llama_report.summary(), "not_run": {}}).startswith(
+        f"SUMMARY {len(llama_report.kernels)} kernels: {len(llama_report.kernels)} pass gates 1-4, 0 fail")
 
 
 def test_the_json_report_has_summary_kernels_and_device(llama_report):
     data = llama_report.as_json()
-    assert set(data["summary"]) == {"kernels", "pass", "fail", "known_findings", "controls", "red", "missed",
-                                    "limit_problems"}
+    assert set(data["summary"]) == {"kernels", "pass", "not_run", "fail", "known_findings", "controls", "red",
+                                    "missed", "limit_problems"}
     kernel = next(k for k in data["kernels"] if k["name"] == "llama gemv q4")
     assert kernel["family"] == "llama" and kernel["distribution"] == "tensorfold-llama"
     assert set(kernel["implementations"]) == {"mlx", "cuda"}
@@ -244,12 +260,12 @@ def test_the_cli_exits_0_when_all_pass_1_when_something_failed_and_2_when_only_n
     import tensorfold_contract.cli as cli
 
     def fake_run(pm):
-        return lambda only=(), seed=None, progress=None, isolate=None: run_contract(only=only, seed=seed, pm=pm,
-                                                                                   progress=progress)
+        return lambda only=(), seed=None, progress=None, isolate=None, jobs=None: run_contract(
+            only=only, seed=seed, pm=pm, progress=progress)
 
     out, err = io.StringIO(), io.StringIO()
     monkeypatch.setattr(cli, "run_contract", fake_run(_manager(_toy())))
-    assert run_cli(["toy"], False, 1, out, err) == 0 and "SUMMARY 1 kernels: 1 pass" in out.getvalue()
+    assert run_cli(["toy"], False, 1, out, err) == 0 and "SUMMARY 1 kernels: 1 pass gates 1-4, 0" in out.getvalue()
     assert run_cli(["nothing-by-this-name"], False, 1, out, err) == 2
     assert "matches no kernel, family, plugin or distribution" in err.getvalue() and "toy" in err.getvalue()
     monkeypatch.setattr(cli, "run_contract", fake_run(_manager(_toy(impl=lambda case: {"y": case.array("x")}))))
@@ -360,3 +376,14 @@ def test_isolation_finds_records_through_entry_points_so_it_takes_no_plugin_mana
         run_contract(pm=_manager(_toy()), seed=1, isolate=True)
     assert run_contract(pm=_manager(_toy()), seed=1, device=_fake_gpu("0.32.4")).isolated is False
     assert run_contract(only=["llama rmsnorm"], seed=1).isolated is False  # the CPU runs in one process
+
+
+def test_the_bf16_gemv_cuda_tail_control_edits_a_path_that_an_edge_shape_runs():
+    from tensorfold_contract.registry import discover
+
+    record = next(r.record for r in discover() if r.record is not None and r.record.name == "llama gemv bf16")
+    control = next(c for c in record.controls if c.kind == "cuda" and c.name == "dropped tail element")
+    # the edited loop takes the inputs past the last whole 8-input chunk: all of them where K % 8 != 0, none else
+    assert "k < K - 1; k += 32" in control.plant(record.implementations["cuda"]).body
+    assert [s.label for s in record.edges if s.dims["k"] % 8 and s.rows] == ["K=203, not a multiple of 8"]
+    assert control.gate == 3

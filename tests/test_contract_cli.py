@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -64,8 +65,8 @@ def test_a_third_party_distribution_is_picked_up_by_only_and_proven_with_no_chan
         ("toy double", "toyfam", "toy", "toy-kernels")
     assert kernel["implementations"]["mlx"]["status"] == "pass"
     assert [c["status"] for c in kernel["controls"]] == ["red", "red"]
-    assert report["summary"] == {"kernels": 1, "pass": 1, "fail": 0, "known_findings": 0, "controls": 2, "red": 2,
-                                 "missed": 0, "limit_problems": 0}
+    assert report["summary"] == {"kernels": 1, "pass": 1, "not_run": {}, "fail": 0, "known_findings": 0,
+                                 "controls": 2, "red": 2, "missed": 0, "limit_problems": 0}
 
 
 def test_a_third_party_record_with_one_planted_control_is_reported_and_fails_the_two_control_rule(tmp_path):
@@ -90,7 +91,8 @@ def test_only_llama_prints_a_line_per_kernel_and_implementation_and_exits_0():
         assert any(line.startswith(kernel) and " mlx    pass" in line for line in lines)
         assert any(line.startswith(kernel) and " cuda   not run (no CUDA device)" in line for line in lines)
         assert any(line.startswith(kernel) and " metal  not run (no Metal device)" in line for line in lines)
-    assert lines[-1].startswith("SUMMARY 2 kernels: 2 pass gates 1-4, 0 fail, 0 known findings; ")
+    assert lines[-1].startswith("SUMMARY 2 kernels: 2 pass gates 1-4 where they ran (4 implementations not run: "
+                                "2 no CUDA device, 2 no Metal device), 0 fail, 0 known findings; ")
 
 
 def test_only_naming_nothing_exits_2_and_names_what_is_registered():
@@ -155,15 +157,21 @@ CRASHY = textwrap.dedent('''
 ''')
 
 
+def crashy(site, *args):
+    """The contract, isolated, over the crashy plugin installed in `site` (a dist-info with its entry point)."""
+    if not (site / "crashy_kernels.py").exists():
+        (site / "crashy_kernels.py").write_text(CRASHY)
+        info = site / "crashy_kernels-0.1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: crashy-kernels\nVersion: 0.1.0\n")
+        (info / "entry_points.txt").write_text("[tensorfold]\ncrashy = crashy_kernels\n")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    return subprocess.run([sys.executable, "-m", "tensorfold_contract", "--only", "crashfam", "--isolate", "--seed",
+                           "4", *args], env=env, capture_output=True, text=True)
+
+
 def test_isolated_a_segfault_fails_its_step_and_the_rest_of_the_record_and_the_run_go_on(tmp_path):
-    (tmp_path / "crashy_kernels.py").write_text(CRASHY)
-    info = tmp_path / "crashy_kernels-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: crashy-kernels\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[tensorfold]\ncrashy = crashy_kernels\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    done = subprocess.run([sys.executable, "-m", "tensorfold_contract", "--only", "crashfam", "--isolate", "--seed",
-                           "4"], env=env, capture_output=True, text=True)
+    done = crashy(tmp_path)
     assert done.returncode == 1, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].endswith("seed 4, each record isolated")
@@ -177,3 +185,19 @@ def test_isolated_a_segfault_fails_its_step_and_the_rest_of_the_record_and_the_r
     assert any(line.startswith("steady double") and "mlx    pass" in line for line in lines)
     assert lines[-1] == ("SUMMARY 2 kernels: 1 pass gates 1-4, 1 fail, 0 known findings; 5 controls: 4 red as "
                          "planted, 1 missed; 0 limit problems")
+
+
+def test_isolated_records_run_side_by_side_and_report_as_one_at_a_time_does_with_progress_on_request(tmp_path):
+    alone, together = crashy(tmp_path, "--jobs", "1", "--progress"), crashy(tmp_path, "--jobs", "2")
+    assert alone.returncode == together.returncode == 1
+    assert alone.stdout == together.stdout
+    steps = [line for line in alone.stderr.splitlines() if line.startswith("  … ")]
+    assert re.fullmatch(r"  … +\d+\.\d s  crashy double \[mlx\]", steps[0]), alone.stderr
+    assert re.fullmatch(r"  … +\d+\.\d s  steady double control 'tripled'", steps[-1]), alone.stderr
+    assert not [line for line in together.stderr.splitlines() if line.startswith("  … ")]  # not a terminal
+
+
+def test_records_run_side_by_side_only_when_isolated():
+    done = subprocess.run([sys.executable, "-m", "tensorfold_contract", "--jobs", "2", "--no-isolate"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "more than 1 only where records are isolated" in done.stderr

@@ -3,7 +3,8 @@
 # shared/device/README.md) but not tensorfold: the plugins' entry points are written into a throwaway site, so
 # nothing is pip-installed and nothing outside numpy, pluggy and MLX is imported (no server, no pydantic).
 # Usage, from the repository root:  bash contract/receipts/run_on_h200.sh [contract|bench|all]   (default: all)
-# TF_CONTRACT_ARGS passes flags on, e.g. TF_CONTRACT_ARGS="--seed 7 --only *gemv*" (globs with no spaces).
+# TF_CONTRACT_ARGS passes flags on, e.g. TF_CONTRACT_ARGS="--seed 7 --only *gemv*" (globs with no spaces);
+# TF_COMMIT names the commit in env.txt (the device's copy has no .git: tools/device/stage.sh prints it).
 # On a GPU each record runs in a child process of its own (--isolate is the default there): a crash in MLX fails
 # the step it hit ("crashed (signal 11, SIGSEGV) in host() at gates.py:N") and the run and its JSON go on.
 # Writes $OUT/contract.json, $OUT/contract.txt, $OUT/gemv.json, $OUT/gemv.txt and $OUT/env.txt.
@@ -40,7 +41,7 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; python3 --version
   python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda", mx.cuda.is_available())'
-  git -C "$root" rev-parse HEAD 2>/dev/null; git -C "$root" status --short 2>/dev/null | head -20; } > "$out/env.txt" 2>&1
+  echo "commit ${TF_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)}"; } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
 rc=0
@@ -50,7 +51,7 @@ if [ "$what" = contract ] || [ "$what" = all ]; then
   python3 -m tensorfold_contract --json ${TF_CONTRACT_ARGS:-} > "$out/contract.json" 2> "$out/contract.err"
   rc=$?
   set +f
-  echo "contract: exit $rc in $(( $(date +%s) - start )) s"
+  took=$(( $(date +%s) - start ))
   python3 - "$out/contract.json" <<'PY' | tee "$out/contract.txt"
 # the report's lines, rebuilt from the JSON (one run, two views)
 import json, sys
@@ -70,11 +71,10 @@ for k in r["kernels"]:
     for c in k["controls"]:
         print(f"{'':<24}   control [{c['implementation']}] {c['name']} -> gate {c['gate']}: {c['status']}"
               + (f" ({c['detail']})" if c["status"] == "missed" else ""))
-s = r["summary"]
-print(f"SUMMARY {s['kernels']} kernels: {s['pass']} pass gates 1-4, {s['fail']} fail, {s['known_findings']} known "
-      f"findings; {s['controls']} controls: {s['red']} red as planted, {s['missed']} missed; "
-      f"{s['limit_problems']} limit problems  (seed {r['seed']}{', each record isolated' if r.get('isolated') else ''})")
+from tensorfold_contract.report import summary_line
+print(f"{summary_line(r['summary'])}  (seed {r['seed']}{', each record isolated' if r.get('isolated') else ''})")
 PY
+  echo "contract: exit $rc in $took s (python3 -m tensorfold_contract --json ${TF_CONTRACT_ARGS:-})" | tee -a "$out/contract.txt"
   tail -5 "$out/contract.err"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
