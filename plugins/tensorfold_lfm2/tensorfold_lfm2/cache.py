@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-WINDOW_SLACK = 16  # rows a cache holds beyond its capacity, for the window that is not kept yet
-GROW_STEP = 256
+from tensorfold_core.families import WINDOW_SLACK, grown
 
 
 @dataclass(frozen=True)
@@ -83,12 +82,7 @@ class HybridCache:
 
     def reserve(self, n: int) -> None:
         """Grow the key and value storage when a window reaches past it (a long prefill chunk near capacity)."""
-        size = self.keys[0].shape[2] if self.keys else self.offset + n
-        if self.offset + n <= size:
-            return
-        extra = -(-(self.offset + n - size) // GROW_STEP) * GROW_STEP
-        pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
-        self.keys, self.values = [pad(a) for a in self.keys], [pad(a) for a in self.values]
+        self.keys, self.values = grown(self.keys, self.offset + n), grown(self.values, self.offset + n)
 
     def write(self, slot: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Store the window's keys and values at offset..; return every key and value up to its last row."""
@@ -102,8 +96,8 @@ class HybridCache:
         self.inputs[slot] = mx.concatenate([self.conv[slot], gated], axis=1)
         return self.inputs[slot]
 
-    def commit(self, rows: int) -> None:
-        """Keep the first `rows` rows of the window: the offset moves, each conv tail ends at the last kept row."""
+    def commit(self, rows: int) -> list[mx.array]:
+        """Keep the window's first `rows` rows, lazily: the offset moves, each conv tail ends at the last kept row."""
         tail, marked = self.shape.conv_tail, []
         tails = lambda r: tuple(mx.contiguous(x[:, r:r + tail]) for x in self.inputs)  # copies: the window is freed
         passed = {p for p in self.asked if p <= self.offset + rows}
@@ -111,14 +105,14 @@ class HybridCache:
             passed.update(range(-(-(self.offset + 1) // self.marks) * self.marks, self.offset + rows + 1, self.marks))
         for mark in sorted(passed) if self.inputs else ():
             self.kept_conv[mark] = tails(mark - self.offset)
-            marked.append(self.kept_conv[mark])
+            marked.extend(self.kept_conv[mark])
         self.asked -= passed
         if self.inputs:
             self.conv = list(tails(rows))
         self.offset += rows
         self.window = None
         self.inputs = [None] * self.shape.conv_layers
-        mx.eval(self.keys, self.values, self.conv, marked)
+        return [*self.keys, *self.values, *self.conv, *marked]  # what keep() evaluates to cut the graph
 
     def snapshot(self) -> KeptState:
         """The committed state, copied: restorable at `offset` and at every chunk mark it passed."""

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
-from functools import partial
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from tensorfold_core.errors import CheckpointError
+from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
+                                      packed_ids, picked_logits, swiglu)
 
-from .cache import WINDOW_SLACK, HybridCache, KeptState, Shape
+from .cache import HybridCache, KeptState, Shape
 
 LAYER_TYPES = ("conv", "full_attention")
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(ConfigArgs):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -39,16 +40,6 @@ class ModelArgs:
     full_attn_idxs: list[int] | None = None  # older configs: which layers attend
     tie_word_embeddings: bool | None = None  # None: tied when the checkpoint has no lm_head
     tie_embedding: bool | None = None  # older configs
-
-    @classmethod
-    def from_config(cls, config: dict, source: str = "config.json") -> "ModelArgs":
-        names = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.default is MISSING and config.get(f.name) is None]
-        if missing:
-            raise CheckpointError(f"{source}: missing {', '.join(missing)}")
-        args = cls(**{k: v for k, v in config.items() if k in names})
-        args.check(source)
-        return args
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
@@ -95,27 +86,6 @@ class ModelArgs:
 
     def attends(self, layer: int) -> bool:
         return self.layer_types[layer] == "full_attention"
-
-
-@partial(mx.compile, shapeless=True)
-def swiglu(gate, x):
-    return nn.silu(gate) * x
-
-
-class Span(NamedTuple):
-    """One stream's rows in the packed matrix: rows start..start+n run on `cache` at its offset."""
-
-    start: int
-    n: int
-    cache: HybridCache
-    mask: mx.array | None
-
-
-def causal_mask(offset: int, n: int) -> mx.array | None:
-    """Causal within the window; None for one row, which sees every key."""
-    if n == 1:
-        return None
-    return mx.arange(offset + n)[None] <= mx.arange(offset, offset + n)[:, None]
 
 
 class Attention(nn.Module):
@@ -263,41 +233,20 @@ class Model(nn.Module):
 
     def forward(self, caches: Sequence[HybridCache], windows: Sequence[Sequence[int]],
                 logit_rows: Sequence[int]) -> mx.array:
-        if not len(caches) == len(windows) == len(logit_rows):
-            raise ValueError(f"{len(caches)} caches, {len(windows)} windows, {len(logit_rows)} logit_rows")
-        if len({id(cache) for cache in caches}) < len(caches):
-            raise ValueError("a cache appears twice in one forward")
-        for cache, window, rows in zip(caches, windows, logit_rows):
-            if len(window) == 0 or not 0 <= rows <= len(window):
-                raise ValueError(f"a window of {len(window)} rows cannot give {rows} logit rows")
-            if cache.window is not None:
-                raise ValueError("keep() the cache's last window before its next forward")
-        tokens = [token for window in windows for token in window]
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}, got {min(tokens)}..{max(tokens)}")
-        spans, pick, start = [], [], 0
-        for cache, window, rows in zip(caches, windows, logit_rows):
-            n = len(window)
-            cache.reserve(n)
-            spans.append(Span(start, n, cache, causal_mask(cache.offset, n)))
-            pick.extend(range(start + n - rows, start + n))
-            start += n
-        h = self.model.embed_tokens(mx.array(tokens, dtype=mx.uint32))
+        ids = packed_ids(windows, self.vocab_size)
+        return self.forward_ids(caches, ids, [len(window) for window in windows], logit_rows)
+
+    def forward_ids(self, caches: Sequence[HybridCache], ids: mx.array, lengths: Sequence[int],
+                    logit_rows: Sequence[int], commit: bool = False) -> mx.array:
+        """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
+        spans, pick = pack_windows(caches, ids, lengths, logit_rows)
+        h = self.model.embed_tokens(ids)
         for layer, slot in zip(self.model.layers, self._slots):
             h = layer(h, spans, slot)
-        for span in spans:  # offsets were read while the graph was built, so they may move now
-            span.cache.window = span.n
-        if not pick:
-            return mx.zeros((0, self.vocab_size), mx.float32)
-        h = self.model.embedding_norm(h[mx.array(pick)] if len(pick) < start else h)  # row-wise: select rows first
-        out = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
-        return out.astype(mx.float32)
+        close_windows(spans, commit)
+        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
+        return picked_logits(h, pick, self.model.embedding_norm, head, self.vocab_size)
 
     def keep(self, cache: HybridCache, rows: int) -> None:
-        if cache.window is None:
-            raise ValueError("keep() without a forward on this cache")
-        if not 0 <= rows <= cache.window:
-            raise ValueError(f"cannot keep {rows} rows of a window of {cache.window}")
-        if cache.offset + rows > cache.capacity:
-            raise ValueError(f"a cache of capacity {cache.capacity} cannot hold {cache.offset + rows} tokens")
-        cache.commit(rows)  # evaluates: a window whose rows gave no logits is computed here
+        check_keep(cache, rows)
+        mx.eval(cache.commit(rows))  # cut the graph: a window whose rows gave no logits is computed here

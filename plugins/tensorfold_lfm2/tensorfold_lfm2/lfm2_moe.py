@@ -9,9 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tensorfold_core.errors import CheckpointError
+from tensorfold_core.families import swiglu
 
 from . import lfm2
-from .lfm2 import swiglu
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError
+from tensorfold_core.families import activation_dtype
 from tensorfold_core.specs import LoadOptions
 from tensorfold_core.weights import fill
 
@@ -27,6 +28,5 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> lfm2.Model:
         args.tie_word_embeddings = "lm_head.weight" not in weights
     model = arch.Model(args)
     fill(model, model.sanitize(weights), ckpt, options.dtype, family=ckpt.model_type, flags=FLAGS, keep=KEEP_FLOAT32)
-    embed = model.model.embed_tokens
-    model.dtype = (embed.scales if hasattr(embed, "scales") else embed.weight).dtype
+    model.dtype = activation_dtype(model.model.embed_tokens)
     return model

@@ -116,6 +116,41 @@ def test_a_cache_must_be_kept_before_its_next_forward_and_appear_once(model):
         model.keep(cache, 3)
 
 
+def test_forward_ids_with_commit_gives_the_rows_and_the_state_of_forward_and_keep(model):
+    streams = [(PROMPT[:12], DRAFTS[:5]), (PROMPT[3:5], DRAFTS[2:3]), (PROMPT[:17], DRAFTS[1:8])]
+    kept = [prefilled(model, p) for p, _ in streams]
+    rows = model.forward(kept, [w for _, w in streams], [2, 1, 3])
+    for cache, (_, window) in zip(kept, streams):
+        model.keep(cache, len(window))
+    committed = [prefilled(model, p) for p, _ in streams]
+    ids = mx.array([t for _, w in streams for t in w], dtype=mx.uint32)
+    lazy = model.forward_ids(committed, ids, [len(w) for _, w in streams], [2, 1, 3], commit=True)
+    assert mx.array_equal(lazy, rows)
+    assert [c.offset for c in committed] == [c.offset for c in kept] and all(c.window is None for c in committed)
+    for a, b in zip(committed, kept):
+        assert all(mx.array_equal(x, y) for x, y in zip(a.conv, b.conv))
+        assert mx.array_equal(model.forward([a], [[11, 12]], [2]), model.forward([b], [[11, 12]], [2]))
+
+
+def test_a_lazy_chain_of_one_row_forward_ids_gives_the_rows_of_kept_one_row_steps(model):
+    chained, stepped = prefilled(model), prefilled(model)
+    token, chain = mx.array([DRAFTS[0]], dtype=mx.uint32), []
+    for _ in range(4):  # a drafter's chain: each step's argmax feeds the next, nothing evaluated in between
+        logits = model.forward_ids([chained], token, [1], [1], commit=True)
+        token = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        chain.append(logits)
+    fed = [DRAFTS[0]] + [int(mx.argmax(rows, axis=-1).item()) for rows in chain[:-1]]
+    assert mx.array_equal(mx.concatenate(chain), steps(model, stepped, fed))
+    assert chained.offset == stepped.offset == 16
+
+
+def test_forward_ids_refuses_ids_that_do_not_fill_the_windows(model):
+    cache = model.new_cache(16)
+    with pytest.raises(ValueError, match="3 ids for windows of 2 rows"):
+        model.forward_ids([cache], mx.array([1, 2, 3], dtype=mx.uint32), [2], [1])
+    assert cache.window is None and cache.offset == 0
+
+
 def test_cache_bytes_price_the_keys_values_and_conv_states_a_cache_holds(model):
     cache = model.new_cache(100)
     held = sum(a.nbytes for a in cache.keys + cache.values + cache.conv)

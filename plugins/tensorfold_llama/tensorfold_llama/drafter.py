@@ -11,11 +11,13 @@ import mlx.core as mx
 
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError, DrafterError, OptionError
+from tensorfold_core.families import GROW_STEP, WINDOW_SLACK
 from tensorfold_core.protocols import DraftAsk
 from tensorfold_core.specs import LoadOptions
 
 from .load import load
-from .model import GROW_STEP, WINDOW_SLACK, KVCache, Model
+from .cache import KVCache
+from .model import Model
 
 MODEL_TYPES = ("llama", "mistral")
 BITS = (0, 4, 8)

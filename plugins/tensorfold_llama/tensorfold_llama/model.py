@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
-from functools import partial
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from tensorfold_core.errors import CheckpointError
+from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
+                                      packed_ids, picked_logits, swiglu)
 
-WINDOW_SLACK = 16  # rows a cache holds beyond its capacity, for the window that is not kept yet
-GROW_STEP = 256
+from .cache import KeptKV, KVCache
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(ConfigArgs):
     model_type: str
     hidden_size: int
     num_hidden_layers: int
@@ -37,24 +37,6 @@ class ModelArgs:
     tie_word_embeddings: bool | None = None  # None: tied when the checkpoint has no lm_head
     sliding_window: int | None = None  # mistral
 
-    @classmethod
-    def from_config(cls, config: dict, source: str = "config.json") -> "ModelArgs":
-        missing = [f.name for f in fields(cls) if f.default is MISSING and config.get(f.name) is None]
-        if missing:
-            raise CheckpointError(f"{source}: missing {', '.join(missing)}")
-        args = cls(**{k: v for k, v in config.items() if k in {f.name for f in fields(cls)}})
-        if args.hidden_act not in ("silu", "swish"):
-            raise CheckpointError(f"{source}: hidden_act {args.hidden_act!r} is not supported (llama uses silu)")
-        if args.num_attention_heads % args.num_key_value_heads:
-            raise CheckpointError(f"{source}: {args.num_attention_heads} attention heads are not a multiple of "
-                                  f"{args.num_key_value_heads} key/value heads")
-        if args.rope_type not in ("default", "linear", "llama3"):
-            raise CheckpointError(f"{source}: rope type {args.rope_type!r} is not supported by the llama family "
-                                  "(default, linear, llama3)")
-        if args.rope_type != "default" and not args.rope.get("factor"):
-            raise CheckpointError(f"{source}: rope type {args.rope_type!r} without a factor")
-        return args
-
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
@@ -63,10 +45,17 @@ class ModelArgs:
         self.rope_type = rope.get("rope_type") or rope.get("type") or "default"
         self.rope = rope
 
-
-@partial(mx.compile, shapeless=True)
-def swiglu(gate, x):
-    return nn.silu(gate) * x
+    def check(self, source: str) -> None:
+        if self.hidden_act not in ("silu", "swish"):
+            raise CheckpointError(f"{source}: hidden_act {self.hidden_act!r} is not supported (llama uses silu)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(f"{source}: {self.num_attention_heads} attention heads are not a multiple of "
+                                  f"{self.num_key_value_heads} key/value heads")
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise CheckpointError(f"{source}: rope type {self.rope_type!r} is not supported by the llama family "
+                                  "(default, linear, llama3)")
+        if self.rope_type != "default" and not self.rope.get("factor"):
+            raise CheckpointError(f"{source}: rope type {self.rope_type!r} without a factor")
 
 
 class RoPE(nn.Module):
@@ -99,25 +88,6 @@ def llama3_freqs(dims: int, base: float, rope: dict) -> mx.array:
     medium = (wavelens > context / high) & (wavelens < context / low)
     smooth = (context / wavelens - low) / (high - low)
     return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
-
-
-class Span(NamedTuple):
-    """One stream's rows in the packed matrix: rows start..start+n run on `cache` at its offset."""
-
-    start: int
-    n: int
-    cache: "KVCache"
-    mask: mx.array | None
-
-
-def attention_mask(offset: int, n: int, window: int | None) -> mx.array | None:
-    """Causal within the window (and within the sliding window); None where every key is visible."""
-    if n == 1 and (window is None or offset < window):
-        return None
-    rows = mx.arange(offset, offset + n)[:, None]
-    cols = mx.arange(offset + n)[None]
-    mask = cols <= rows
-    return mask & (cols > rows - window) if window else mask
 
 
 class Attention(nn.Module):
@@ -179,50 +149,6 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
-class KVCache:
-    """One stream's keys and values per layer, preallocated for `capacity` tokens plus one window."""
-
-    def __init__(self, args: ModelArgs, capacity: int, dtype: mx.Dtype):
-        self.offset = 0
-        self.capacity = capacity
-        self.window: int | None = None  # rows of the last forward, until kept
-        shape = (1, args.num_key_value_heads, capacity + WINDOW_SLACK, args.head_dim)
-        self.keys = [mx.zeros(shape, dtype) for _ in range(args.num_hidden_layers)]
-        self.values = [mx.zeros(shape, dtype) for _ in range(args.num_hidden_layers)]
-
-    def reserve(self, n: int) -> None:
-        """Grow the storage when a window reaches past it (a long prefill chunk near capacity)."""
-        size = self.keys[0].shape[2]
-        if self.offset + n <= size:
-            return
-        extra = -(-(self.offset + n - size) // GROW_STEP) * GROW_STEP
-        pad = lambda a: mx.concatenate([a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
-        self.keys, self.values = [pad(a) for a in self.keys], [pad(a) for a in self.values]
-
-    def trim(self, tokens: int) -> None:
-        """Keep only the first `tokens` committed tokens (a drafter slot cut back to its context's prefix)."""
-        if not 0 <= tokens <= self.offset or self.window is not None:
-            raise ValueError(f"cannot trim a cache of {self.offset} tokens (window {self.window}) to {tokens}")
-        self.offset = tokens
-
-    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the window's keys and values at offset..; return every key and value up to its last row."""
-        end = self.offset + k.shape[2]
-        self.keys[layer][..., self.offset:end, :] = k
-        self.values[layer][..., self.offset:end, :] = v
-        return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
-
-
-class KeptKV:
-    """Keys and values of `tokens` committed tokens, restorable at any prefix of them."""
-
-    def __init__(self, tokens: int, keys: list, values: list):
-        self.tokens, self.keys, self.values = tokens, keys, values
-
-    def resume_point(self, limit: int) -> int:
-        return max(0, min(limit, self.tokens))
-
-
 class Model(nn.Module):
     """A llama checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
 
@@ -243,31 +169,21 @@ class Model(nn.Module):
         return weights
 
     def new_cache(self, capacity: int, marks: int = 0) -> KVCache:
-        return KVCache(self.args, capacity, self.dtype)  # keys trim to any prefix, so no marks are needed
+        a = self.args  # keys trim to any prefix, so no marks are needed
+        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, capacity, self.dtype)
 
-    def snapshot(self, cache: KVCache) -> "KeptKV":
+    def snapshot(self, cache: KVCache) -> KeptKV:
         """A standalone copy of the committed tokens' keys and values (a kept prompt state)."""
-        n = cache.offset
-        keys = [mx.contiguous(k[..., :n, :]) for k in cache.keys]
-        values = [mx.contiguous(v[..., :n, :]) for v in cache.values]
-        mx.eval(keys, values)
-        return KeptKV(n, keys, values)
+        return cache.snapshot()
 
-    def restore(self, state: "KeptKV", capacity: int, tokens: int | None = None, marks: int = 0) -> KVCache:
+    def restore(self, state: KeptKV, capacity: int, tokens: int | None = None, marks: int = 0) -> KVCache:
         """A new cache holding the first `tokens` of a kept state."""
-        n = state.tokens if tokens is None else tokens
-        if not 0 <= n <= min(state.tokens, capacity):
-            raise ValueError(f"cannot restore {n} tokens of a state of {state.tokens} into capacity {capacity}")
         cache = self.new_cache(capacity)
-        for layer in range(len(cache.keys)):
-            cache.keys[layer][..., :n, :] = state.keys[layer][..., :n, :]
-            cache.values[layer][..., :n, :] = state.values[layer][..., :n, :]
-        cache.offset = n
-        mx.eval(cache.keys, cache.values)
+        cache.restore(state, state.tokens if tokens is None else tokens)
         return cache
 
-    def state_bytes(self, state: "KeptKV") -> int:
-        return sum(a.nbytes for a in state.keys + state.values)
+    def state_bytes(self, state: KeptKV) -> int:
+        return state.nbytes
 
     def cache_bytes(self, tokens: int) -> int:
         a = self.args
@@ -275,51 +191,20 @@ class Model(nn.Module):
 
     def forward(self, caches: Sequence[KVCache], windows: Sequence[Sequence[int]],
                 logit_rows: Sequence[int]) -> mx.array:
-        if not len(caches) == len(windows) == len(logit_rows):
-            raise ValueError(f"{len(caches)} caches, {len(windows)} windows, {len(logit_rows)} logit_rows")
-        for window, rows in zip(windows, logit_rows):
-            if len(window) == 0 or not 0 <= rows <= len(window):
-                raise ValueError(f"a window of {len(window)} rows cannot give {rows} logit rows")
-        tokens = [token for window in windows for token in window]
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise ValueError(f"token ids must lie in 0..{self.vocab_size - 1}, got {min(tokens)}..{max(tokens)}")
-        return self.forward_ids(caches, mx.array(tokens, dtype=mx.uint32), [len(w) for w in windows], logit_rows)
+        ids = packed_ids(windows, self.vocab_size)
+        return self.forward_ids(caches, ids, [len(window) for window in windows], logit_rows)
 
     def forward_ids(self, caches: Sequence[KVCache], ids: mx.array, lengths: Sequence[int],
-                     logit_rows: Sequence[int], commit: bool = False) -> mx.array:
+                    logit_rows: Sequence[int], commit: bool = False) -> mx.array:
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
-        if len({id(cache) for cache in caches}) < len(caches):
-            raise ValueError("a cache appears twice in one forward")
-        spans, pick, start = [], [], 0
-        for cache, n, rows in zip(caches, lengths, logit_rows):
-            if cache.window is not None:
-                raise ValueError("keep() the cache's last window before its next forward")
-            cache.reserve(n)
-            spans.append(Span(start, n, cache, attention_mask(cache.offset, n, self.args.sliding_window)))
-            pick.extend(range(start + n - rows, start + n))
-            start += n
+        spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, spans, i)
-        for span in spans:  # offsets were read while the graph was built, so they may move now
-            if commit:
-                span.cache.offset += span.n
-            else:
-                span.cache.window = span.n
-        if not pick:
-            return mx.zeros((0, self.vocab_size), mx.float32)
-        h = self.model.norm(h[mx.array(pick)] if len(pick) < start else h)  # row-wise: select rows first
-        out = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
-        return out.astype(mx.float32)
+        close_windows(spans, commit)
+        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
+        return picked_logits(h, pick, self.model.norm, head, self.vocab_size)
 
     def keep(self, cache: KVCache, rows: int) -> None:
-        if cache.window is None:
-            raise ValueError("keep() without a forward on this cache")
-        if not 0 <= rows <= cache.window:
-            raise ValueError(f"cannot keep {rows} rows of a window of {cache.window}")
-        if cache.offset + rows > cache.capacity:
-            raise ValueError(f"a cache of capacity {cache.capacity} cannot hold {cache.offset + rows} tokens")
-        cache.offset += rows
-        cache.window = None
-        mx.eval(cache.keys, cache.values)  # cut the graph: a window whose rows gave no logits is computed here
-
+        check_keep(cache, rows)
+        mx.eval(cache.commit(rows))  # cut the graph: a window whose rows gave no logits is computed here

@@ -96,6 +96,28 @@ def test_a_cache_must_be_kept_before_its_next_forward(model):
         model.keep(cache, 3)
 
 
+def test_forward_ids_with_commit_gives_the_rows_and_the_keys_of_forward_and_keep(model):
+    streams = [(PROMPT[:12], DRAFTS[:5]), (PROMPT[3:5], DRAFTS[2:3]), (PROMPT[:17], DRAFTS[1:8])]
+    kept = [prefilled(model, p) for p, _ in streams]
+    rows = model.forward(kept, [w for _, w in streams], [2, 1, 3])
+    for cache, (_, window) in zip(kept, streams):
+        model.keep(cache, len(window))
+    committed = [prefilled(model, p) for p, _ in streams]
+    ids = mx.array([t for _, w in streams for t in w], dtype=mx.uint32)
+    lazy = model.forward_ids(committed, ids, [len(w) for _, w in streams], [2, 1, 3], commit=True)
+    assert mx.array_equal(lazy, rows)
+    assert [c.offset for c in committed] == [c.offset for c in kept] and all(c.window is None for c in committed)
+    for a, b in zip(committed, kept):
+        assert mx.array_equal(model.forward([a], [[11, 12]], [2]), model.forward([b], [[11, 12]], [2]))
+
+
+def test_forward_ids_refuses_ids_that_do_not_fill_the_windows(model):
+    cache = model.new_cache(16)
+    with pytest.raises(ValueError, match="3 ids for windows of 2 rows"):
+        model.forward_ids([cache], mx.array([1, 2, 3], dtype=mx.uint32), [2], [1])
+    assert cache.window is None and cache.offset == 0
+
+
 def test_cache_bytes_price_the_keys_and_values_a_cache_holds(model):
     cache = model.new_cache(100)
     held = sum(a.nbytes for a in cache.keys + cache.values)
