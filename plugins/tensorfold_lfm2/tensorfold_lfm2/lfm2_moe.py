@@ -45,6 +45,12 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def top_k(choice: mx.array, k: int) -> mx.array:
+    """Each row's k best experts, best first; an exact tie goes to the lower expert id."""
+    # negation is exact and keeps ties tied; MLX's argsort is stable (ties keep index order), so no key is needed
+    return mx.argsort(-choice, axis=-1)[..., :k]
+
+
 class SwitchLinear(nn.Module):
     """Every expert's weight [experts, out, in]; each (row, chosen expert) pair is its own product."""
 
@@ -94,7 +100,7 @@ class SwitchGLU(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """A sigmoid router picks each row's top-k experts; their unbiased scores, normalised and scaled, weigh them."""
+    """A sigmoid router picks each row's top-k experts (ties to the lower id); their unbiased scores weigh them."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -110,11 +116,12 @@ class SparseMoeBlock(nn.Module):
         scores = mx.sigmoid(self.gate(x))
         # the expert bias only balances which experts are chosen; the weights stay the unbiased scores
         choice = scores.astype(mx.float32) + self["expert_bias"] if "expert_bias" in self else scores
-        experts = mx.argpartition(choice, kth=-self.top_k, axis=-1)[..., -self.top_k:]
+        experts = top_k(choice, self.top_k)
         weights = mx.take_along_axis(scores, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-6)
         weights = (weights * self.routed_scaling_factor).astype(x.dtype)
+        # both k-term sums run over the picks best first: a fixed order, so a row's rounding is fixed too
         return (self.switch_mlp(x, experts) * weights[..., None]).sum(axis=-2)
 
 
