@@ -64,15 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", default="tiny-llama-drafter")
     args = parser.parse_args(argv)
 
-    from tensorfold_core.drafting import start_drafter
-    from tensorfold_core.host import load_target
+    from tensorfold_core.loading import load_target, start_drafter
     from tensorfold_core.lanes.engine import Engine
     from tensorfold_core.lanes.stream import Stream
     from tensorfold_core.lanes.types import GenerationRequest
     from tensorfold_core.options import ServeOptions
     from tensorfold_core.sampling import SamplingParams
+    from tensorfold_core.specs import DrafterOptions
 
-    _, model, tokenizer, _, probe = load_target(MODEL, ServeOptions(dtype=args.dtype))
+    target = load_target(MODEL, ServeOptions(dtype=args.dtype))
+    model, tokenizer, probe = target.model, target.tokenizer, target.probe
     if not probe.get("row_invariant"):
         print(f"row-invariance probe failed ({probe.get('detail')}): no drafting to price")
         return 1
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return stream.tokens[len(prompt):], (stream.generated - before) / (time.perf_counter() - start), stream.stats
 
     def drafter():
-        return start_drafter(args.drafter, None, model, tokenizer, dtype=args.dtype)
+        return start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype=args.dtype))
 
     print("\n".join(platform_lines("bundled")))
     print(f"in-process engines (copy drafts off, so only the drafter is priced), {args.tokens} tokens greedy, dtype "

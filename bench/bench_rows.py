@@ -40,15 +40,14 @@ def forward_worker() -> int:
     """In-process: ms of one target forward + keep by window rows, and of a drafter chain by depth."""
     import mlx.core as mx
 
-    from tensorfold_core.checkpoint import load_model
-    from tensorfold_core.drafting import start_drafter
+    from tensorfold_core.loading import load_model, start_drafter
     from tensorfold_core.protocols import DraftAsk
-    from tensorfold_core.specs import LoadOptions
+    from tensorfold_core.specs import DrafterOptions, LoadOptions
 
     job = json.load(sys.stdin)
     model, tokenizer, _ = load_model(MODEL, LoadOptions(dtype=job["dtype"]))
     context = tokenizer.encode(job["prompt"])
-    drafters = {name: start_drafter(name, None, model, tokenizer, dtype=job["dtype"]) for name in job["drafters"]}
+    drafters = {name: start_drafter(name, model, tokenizer, DrafterOptions(dtype=job["dtype"])) for name in job["drafters"]}
     times = {("rows", k): [] for k in job["rows"]}
     times.update({(name, d): [] for name in drafters for d in job["depths"]})
     for rep in range(job["reps"]):

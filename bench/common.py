@@ -121,14 +121,15 @@ def words(text: str) -> list[str]:
 
 def tokenize(prompts: list[str], model: str = MODEL) -> list[list[int]]:
     """Prompt ids by the model's own tokenizer, so every cell (and mlx-lm) reads the same ids."""
-    from tensorfold_core.checkpoint import Checkpoint, resolve_model
+    from tensorfold_core.checkpoint import Checkpoint
+    from tensorfold_core.loading import resolve_model
 
     tokenizer = Checkpoint.open(resolve_model(model)).tokenizer()
     return [tokenizer.encode(p) for p in prompts]
 
 
 def model_dir(model: str) -> str:
-    from tensorfold_core.checkpoint import resolve_model
+    from tensorfold_core.loading import resolve_model
 
     return str(resolve_model(model))
 

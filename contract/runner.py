@@ -7,6 +7,8 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
+from tensorfold_core.errors import OptionError
+
 from . import devices
 from .isolate import run_record_isolated
 from .registry import Registered, discover
@@ -64,8 +66,8 @@ def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, dev
     return report
 
 
-class NoMatch(ValueError):
-    """`--only` named nothing that is registered."""
+class NoMatch(OptionError):
+    """`--only` named nothing that is registered (a flag's value: the CLI's one-line error, exit 2)."""
 
     def __init__(self, only: list, known: list):
         super().__init__(f"--only {' '.join(only)} matches no kernel, family, plugin or distribution "

@@ -8,7 +8,10 @@ from .lanes.engine import Engine
 from .lanes.stream import Stream
 from .lanes.types import DoneEvent, GenerationRequest, TokenEvent
 from .errors import OptionError
+from .loading import load_target, start_drafter
 from .options import ServeOptions
+from .protocols import MAX_DRAFT_DEPTH
+from .specs import DrafterOptions
 
 
 def parse_draft(value: str | None) -> tuple[str, int] | None:
@@ -16,8 +19,8 @@ def parse_draft(value: str | None) -> tuple[str, int] | None:
     if value is None:
         return None
     name, _, depth = value.rpartition(",")
-    if not name or not depth.isdigit() or not 1 <= int(depth) <= 15:
-        raise OptionError(f"--draft {value}: expected DRAFTER,N with N from 1 to 15")
+    if not name or not depth.isdigit() or not 1 <= int(depth) <= MAX_DRAFT_DEPTH:
+        raise OptionError(f"--draft {value}: expected DRAFTER,N with N from 1 to {MAX_DRAFT_DEPTH}")
     return name, int(depth)
 
 
@@ -43,23 +46,21 @@ def decode(engine: Engine, request: GenerationRequest, capacity: int) -> tuple[l
 def check_run(model: str, prompt: str, *, max_tokens: int = 64, chat: bool = False, dtype: str = "auto",
               draft: str | None = None, progress=lambda stage: None) -> dict:
     """Decode `prompt` greedily (through a drafter's windows with --draft) and report tokens and rounds."""
-    from .drafting import start_drafter
-    from .host import load_target
-
     drafting = parse_draft(draft)
-    name, loaded, tokenizer, ckpt, probe = load_target(model, ServeOptions(dtype=dtype), progress)
+    target = load_target(model, ServeOptions(dtype=dtype), progress)
+    loaded, tokenizer = target.model, target.tokenizer
     prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
                   else tokenizer.encode(prompt))
-    context = int(ckpt.config.get("max_position_embeddings") or 8192)
+    context = target.context()
     request = GenerationRequest(prompt_ids=prompt_ids, max_tokens=min(max_tokens, context - len(prompt_ids)),
                                 stop_token_ids=frozenset(tokenizer.eos_ids))
     capacity = len(prompt_ids) + request.max_tokens
-    plain = Engine(loaded, shared_rounds=probe.get("row_invariant", False), copy_drafts=False)
+    plain = Engine(loaded, shared_rounds=target.row_invariant, copy_drafts=False)
     token_ids, rounds, done = decode(plain, request, capacity)
     result = {}
     if drafting is not None:
-        drafter = start_drafter(drafting[0], None, loaded, tokenizer, dtype=dtype)
-        engine = Engine(loaded, shared_rounds=probe.get("row_invariant", False), drafter=drafter,
+        drafter = start_drafter(drafting[0], loaded, tokenizer, DrafterOptions(dtype=dtype))
+        engine = Engine(loaded, shared_rounds=target.row_invariant, drafter=drafter,
                         fixed_depth=drafting[1], copy_drafts=False)
         drafted_ids, drafted_rounds, drafted_done = decode(engine, request, capacity)
         result = {"drafter": drafting[0], "depth": drafting[1], "plain_token_ids": token_ids,
@@ -68,7 +69,7 @@ def check_run(model: str, prompt: str, *, max_tokens: int = 64, chat: bool = Fal
     decode_rounds = [r for r in rounds if r["tokens"]]
     decode_ms = sum(r["ms"] for r in decode_rounds[1:])
     return {
-        "model": name,
+        "model": target.name,
         "prompt_ids": prompt_ids,
         "text": tokenizer.decode(token_ids),
         "token_ids": token_ids,
@@ -76,6 +77,6 @@ def check_run(model: str, prompt: str, *, max_tokens: int = 64, chat: bool = Fal
         "usage": done.usage,
         "rounds": rounds,
         "decode_tokens_per_s": round(1000 * (len(token_ids) - 1) / decode_ms, 2) if decode_ms else None,
-        "row_invariance": probe,
+        "row_invariance": target.probe,
         **result,
     }

@@ -1,9 +1,8 @@
-"""A checkpoint dir (config.json, safetensors shards, quantization block, tokenizer) and how a model name finds one."""
+"""A checkpoint dir read on demand: config.json, safetensors shards, quantization block, tokenizer (a leaf)."""
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,25 +10,13 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .errors import CheckpointError
-from .specs import LoadOptions
+from .files import read_json
 
 if TYPE_CHECKING:
-    from .plugins import Registry
-    from .protocols import Model
     from .tokenizer import Tokenizer
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-
-
-def _read_json(path: Path) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
 
 
 def _check_safetensors(path: Path) -> None:
@@ -65,7 +52,7 @@ class Checkpoint:
         path = Path(path).expanduser()
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a checkpoint directory")
-        config = _read_json(path / "config.json")
+        config = read_json(path / "config.json")
         if not isinstance(config, dict):
             raise CheckpointError(f"{path / 'config.json'}: expected a JSON object, got {type(config).__name__}")
         return cls(path, config)
@@ -98,7 +85,7 @@ class Checkpoint:
         """Every tensor of the checkpoint, by name (lazy mx arrays)."""
         index_file = self.path / INDEX
         if index_file.exists():
-            index = _read_json(index_file)
+            index = read_json(index_file)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index_file}: no weight_map")
@@ -131,70 +118,3 @@ class Checkpoint:
 
         return Tokenizer.from_dir(self.path)
 
-
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
-def _from_hub(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
-
-    offline = _offline()
-    elsewhere = f"or download it where the hub is reachable (`hf download {repo_id}`) and pass the local dir"
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline))
-    except GatedRepoError as exc:
-        raise CheckpointError(f"model {repo_id!r}: the hub repo is gated; accept its terms and log in "
-                              "(`hf auth login`) or set HF_TOKEN") from exc
-    except RepositoryNotFoundError as exc:
-        raise CheckpointError(f"model {repo_id!r}: not a local dir, not a shipped model, and no such repo on the "
-                              "hub (or it is private: set HF_TOKEN)") from exc
-    except HFValidationError as exc:
-        raise CheckpointError(f"model {repo_id!r}: not a local dir, not a shipped model, and not a valid hub id "
-                              f"({exc})") from exc
-    except Exception as exc:  # offline mode, no cache entry, DNS or connection failure
-        if offline:
-            why, fix = "HF_HUB_OFFLINE=1 is set", f"unset HF_HUB_OFFLINE to download it, {elsewhere}"
-        else:
-            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            why = f"the Hugging Face hub is unreachable ({cause})"
-            fix = f"check the network or HF_ENDPOINT, {elsewhere}"
-        raise CheckpointError(f"model {repo_id!r} is not local (no such dir, no shipped model, not in the hub "
-                              f"cache) and {why}: {fix}") from exc
-
-
-def resolve_model(name: str, registry: "Registry | None" = None) -> Path:
-    """A model name to a checkpoint dir: an existing local dir, a plugin's shipped model, else a hub id."""
-    local = Path(name).expanduser()
-    if local.is_dir():
-        return local
-    if registry is None:
-        from .plugins import registry as default_registry
-
-        registry = default_registry()
-    shipped = registry.shipped(name)
-    if shipped is not None:
-        if not Path(shipped.path).is_dir():
-            raise CheckpointError(f"shipped model {name!r}: {shipped.path} is missing (reinstall its plugin)")
-        return Path(shipped.path)
-    if local.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        shipped_names = ", ".join(m.name for m in registry.models()) or "none installed"
-        raise CheckpointError(f"model {name!r}: no such checkpoint dir, not a shipped model ({shipped_names}), "
-                              "and not a hub id of the form org/name")
-    return _from_hub(name)
-
-
-def load_model(name_or_path: str | Path, options: LoadOptions = LoadOptions(), *,
-               registry: "Registry | None" = None) -> tuple["Model", "Tokenizer", Checkpoint]:
-    """Resolve, open, find the family by model_type, and load: (model, tokenizer, checkpoint)."""
-    if registry is None:
-        from .plugins import registry as default_registry
-
-        registry = default_registry()
-    ckpt = Checkpoint.open(resolve_model(str(name_or_path), registry))
-    family = registry.family_for(ckpt.model_type)
-    model = family.load(ckpt, options)
-    return model, ckpt.tokenizer(), ckpt

@@ -45,18 +45,42 @@ def _click_type(annotation):
 
 
 def serve_options(func):
-    """Click options generated from the one ServeOptions table."""
-    for name, field in reversed(list(ServeOptions.model_fields.items())):
+    """Click options generated from the one ServeOptions table, then the installed plugins' own flags."""
+    for option, plugin in reversed(_plugin_flags()):
+        kind = click.Choice([str(c) for c in option.choices]) if option.choices else option.type
+        func = click.option(f"--{option.name}", _plugin_param(option.name), type=kind, default=option.default,
+                            show_default=option.default is not None, help=f"({plugin}) {option.help}")(func)
+    for name, field in reversed(list(ServeOptions.flag_fields().items())):
         func = click.option(ServeOptions.flag(name), name, type=_click_type(field.annotation),
                             default=None if field.default is None else str(field.default),
                             show_default=field.default is not None, help=field.description)(func)
     return func
 
 
+PLUGIN_PARAM = "plugin__"  # click parameter names of plugin flags, kept apart from ServeOptions' fields
+
+
+def _plugin_param(flag: str) -> str:
+    return PLUGIN_PARAM + flag.replace("-", "_")
+
+
+def _plugin_flags() -> list:
+    """The installed plugins' serve flags with their plugins (none where the registry cannot be read: --help
+    still works, and the command that needs the registry reports it)."""
+    from .plugins import registry
+
+    try:
+        return registry().serve_options_by_plugin()
+    except Exception:  # a broken plugin must not take `--help` down with it
+        return []
+
+
 def _options(**values) -> ServeOptions:
+    plugin = {option.name: values.pop(_plugin_param(option.name)) for option, _ in _plugin_flags()
+              if _plugin_param(option.name) in values}
     given = {k: v for k, v in values.items() if v is not None}
     try:
-        return ServeOptions(**_coerce(given))
+        return ServeOptions(**_coerce(given), plugin_options=plugin)
     except pydantic.ValidationError as exc:  # name the flag, not the field
         first = exc.errors()[0]
         raise click.UsageError(f"{ServeOptions.flag(str(first['loc'][0]))}: {first['msg']}")
@@ -104,7 +128,7 @@ def main():
 @serve_options
 def serve(model, **values):
     """Serve MODEL (a dir, a shipped name or a hub id; default: the shipped default model)."""
-    from .host import load_host
+    from .loading import load_host
     from .server import serve as run_server
 
     options = _options(**values)
@@ -151,9 +175,8 @@ def run(model, prompt, max_tokens, as_json, chat, dtype, draft):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def capabilities(as_json):
     """What this install can do: version, backend, device, families, drafters, serve flags."""
-    from .host import capabilities as caps
     from .backend import backend_row_invariance
-
+    from .capabilities import capabilities as caps
     from .memory.ledger import default_budget
 
     info = caps(ServeOptions(), extra={"row_invariance": backend_row_invariance(),

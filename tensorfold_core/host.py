@@ -1,31 +1,27 @@
-"""The engine thread: submit / cancel / events, admission up to --parallel, and model loading for serving."""
+"""The engine thread: submit / cancel / events, and admission up to --parallel against the one ledger."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from . import __version__
-from .backend import device_info
 from .errors import RequestError
 from .lanes.engine import Engine
 from .lanes.stream import Stream
-from .lanes.types import DoneEvent, GenerationRequest
+from .lanes.types import DoneEvent, GenerationRequest, usage
 from .memory.admission import Admission
 from .memory.ledger import GIB, Ledger, default_budget
 from .memory.prompt_cache import PromptCache
 from .options import ServeOptions
-from .protocols import Model
+from .protocols import Drafter, Model
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("tensorfold")
-DEFAULT_CONTEXT_CAP = 8192
 
 
 @dataclass(frozen=True)
@@ -35,52 +31,70 @@ class Ticket:
     id: int
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """A request handed to the engine thread (and, until admitted, waiting in its queue)."""
+
+    ticket: int
+    request: GenerationRequest
+    on_event: Callable
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """A request the client gave up on: queued, it ends at once; decoding, at its next round."""
+
+    ticket: int
+
+
 class Host:
     """Owns the model and the one thread that runs MLX; the server talks to it through submit and cancel."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, options: ServeOptions, *, model_id: str,
-                 context: int, info: dict | None = None, drafter=None, start: bool = True, timed: bool = True):
+                 context: int, row_invariant: bool = True, capabilities: dict | None = None,
+                 drafter: Drafter | None = None, start: bool = True, timed: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
         self.model_id = model_id
         self.context = context
-        self.info = dict(info or {})
-        shared = self.info.get("row_invariance", {}).get("row_invariant", True)
+        # ids the model embeds and the tokenizer can write back: a prompt of ids must stay inside both
+        self.vocab_size = min(model.vocab_size, tokenizer.backend.get_vocab_size(with_added_tokens=True))
         self.drafter = drafter
         budget = int(options.memory_gib * GIB) if options.memory_gib else default_budget()
         self.ledger = Ledger(budget)
         prompt_cache = PromptCache(self.ledger, int(options.prompt_cache_gib * GIB))
-        self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=shared,
+        self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=row_invariant,
                                    marks=options.prefill_chunk)
-        self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=shared, drafter=drafter,
+        self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=row_invariant, drafter=drafter,
                              timed=timed, on_leave=self.admission.leave)
         memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
-                  "prompt_cache_resumes": shared}
-        self._capabilities = capabilities(options, extra={"model": model_id, "context": context,
-                                                          "memory": memory, **self.info})
+                  "prompt_cache_resumes": row_invariant}
+        # worked out at load: MLX and the plugin registry are touched only by the loading and engine threads
+        self._capabilities = {**(capabilities or {}), "model": model_id, "context": context, "memory": memory}
         self._ids = itertools.count(1)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._waiting: deque[Stream] = deque()
+        self._inbox: queue.SimpleQueue[Submitted | Cancelled] = queue.SimpleQueue()
+        self._waiting: deque[Submitted] = deque()
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
         if start:
             self._thread.start()
 
-    def validate(self, request: GenerationRequest) -> None:
-        """Refuse at once what can never be served; the message carries the numbers."""
+    def validate(self, request: GenerationRequest, prompt_param: str = "prompt") -> None:
+        """Refuse at once what can never be served, naming the field the prompt came in; the message carries the
+        numbers. The one validation of a request's tokens and sizes: the server checks only their JSON."""
         n = len(request.prompt_ids)
         if n == 0:
-            raise RequestError("the prompt has no tokens", param="prompt")
+            raise RequestError("the prompt is empty", param=prompt_param)
         if n >= self.context:
             raise RequestError(f"this model's context is {self.context} tokens; the prompt has {n} "
-                               f"(at least one must be left for the reply)", param="messages",
+                               f"(at least one must be left for the reply)", param=prompt_param,
                                code="context_length_exceeded")
-        bad = next((t for t in request.prompt_ids if not 0 <= t < self.model.vocab_size), None)
+        bad = next(((i, t) for i, t in enumerate(request.prompt_ids) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.model.vocab_size - 1})",
-                               param="prompt")
+            raise RequestError(f"prompt token id {bad[1]} at index {bad[0]} is outside the vocabulary "
+                               f"(0..{self.vocab_size - 1})", param=prompt_param, code="invalid_token_id")
         if request.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         self.admission.check(self.limit(request))
@@ -89,48 +103,46 @@ class Host:
         """Most tokens the stream may hold: prompt + max_tokens, within the context."""
         return min(self.context, len(request.prompt_ids) + request.max_tokens)
 
-    def submit(self, request: GenerationRequest, on_event: Callable) -> Ticket:
-        self.validate(request)
+    def submit(self, request: GenerationRequest, on_event: Callable, prompt_param: str = "prompt") -> Ticket:
+        """Queue a request for the engine thread; one it can never serve raises RequestError here."""
+        self.validate(request, prompt_param)
         ticket = Ticket(next(self._ids))
-        self._inbox.put(("submit", ticket.id, request, on_event))
+        self._inbox.put(Submitted(ticket.id, request, on_event))
         self._wake.set()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
-        self._inbox.put(("cancel", ticket.id, None, None))
+        self._inbox.put(Cancelled(ticket.id))
         self._wake.set()
-
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, stream_id, request, on_event = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                self._waiting.append((stream_id, request, on_event))
+            if isinstance(message, Submitted):
+                self._waiting.append(message)
                 continue
-            queued = next((w for w in self._waiting if w[0] == stream_id), None)
+            queued = next((w for w in self._waiting if w.ticket == message.ticket), None)
             if queued is not None:
                 self._waiting.remove(queued)
-                usage = {"prompt_tokens": len(queued[1].prompt_ids), "completion_tokens": 0,
-                         "total_tokens": len(queued[1].prompt_ids), "prompt_tokens_details": {"cached_tokens": 0}}
-                queued[2](DoneEvent(finish_reason="cancelled", usage=usage))
+                queued.on_event(DoneEvent(finish_reason="cancelled", usage=usage(len(queued.request.prompt_ids))))
             else:
-                self.engine.cancel(stream_id)
+                self.engine.cancel(message.ticket)
 
     def _admit(self) -> None:
         """First come, first served: a stream that does not fit waits, and so do those behind it."""
         while self._waiting and len(self.engine.streams) < self.options.parallel:
-            stream_id, request, on_event = self._waiting[0]
-            limit = self.limit(request)
-            admitted = self.admission.admit(stream_id, request.prompt_ids, limit)
+            head = self._waiting[0]
+            limit = self.limit(head.request)
+            admitted = self.admission.admit(head.ticket, head.request.prompt_ids, limit)
             if admitted is None:
                 return
             self._waiting.popleft()
             cache, cached_tokens = admitted
-            self.engine.add(Stream(id=stream_id, request=request, cache=cache, on_event=on_event, limit=limit,
-                                   cached_tokens=cached_tokens))
+            self.engine.add(Stream(id=head.ticket, request=head.request, cache=cache, on_event=head.on_event,
+                                   limit=limit, cached_tokens=cached_tokens))
 
     def _loop(self) -> None:
         while not self._closed:
@@ -153,7 +165,6 @@ class Host:
                 "queued": self.queued(), "rounds": self.engine.rounds, "memory": self.admission.snapshot()}
 
     def capabilities(self) -> dict:
-        # the static part was worked out at load (MLX is touched only by the loading and engine threads)
         live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued()}
         return {**self._capabilities, **live}
 
@@ -162,73 +173,6 @@ class Host:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        if self.drafter is not None and hasattr(self.drafter, "close"):
+        if self.drafter is not None:
             self.drafter.close()
 
-
-def capabilities(options: ServeOptions, extra: dict | None = None) -> dict:
-    """What this install can do and how it serves: version, backend, device, plugins, serve flags."""
-    from .plugins import registry
-
-    reg = registry()
-    return {
-        "version": __version__,
-        **device_info(),
-        "families": [{"name": f.name, "model_types": list(f.model_types)} for f in reg.families()],
-        "drafters": [d.name for d in reg.drafters()],
-        "models": [{"name": m.name, "role": m.role, "default": m.default} for m in reg.models()],
-        "plugins": reg.roll_call(),
-        "serve_flags": {name: {"default": field.default, "description": field.description}
-                        for name, field in ServeOptions.model_fields.items()},
-        "options": options.model_dump(),
-        **(extra or {}),
-    }
-
-
-def load_target(model: str | None, options: ServeOptions, progress: Callable[[str], None] = lambda stage: None):
-    """Resolve, refuse drafter-only checkpoints by name, load, and probe row invariance."""
-    from .checkpoint import load_model
-    from .errors import DrafterError
-    from .probe import row_invariance
-    from .plugins import registry
-    from .specs import LoadOptions
-
-    progress("resolving")
-    name = model or registry().default_model().name
-    shipped = registry().shipped(name)
-    if shipped is not None and shipped.role == "drafter":
-        raise DrafterError(f"{name} is admitted only as a drafter; serve a target with --drafter {name}")
-    progress("loading weights")
-    loaded, tokenizer, ckpt = load_model(name, LoadOptions(dtype=options.dtype))
-    progress("probing row invariance")
-    probe = row_invariance(loaded)
-    return name, loaded, tokenizer, ckpt, probe
-
-
-def _blas_hint() -> str:
-    """Where a preloaded OpenBLAS broke row invariance, the kernels known to keep it (docs/performance.md)."""
-    preloaded = "openblas" in os.environ.get("LD_PRELOAD", "").lower()
-    return "; with OpenBLAS preloaded, OPENBLAS_CORETYPE=Nehalem keeps rows invariant" if preloaded else ""
-
-
-def load_host(model: str | None, options: ServeOptions,
-              progress: Callable[[str], None] = lambda stage: None, timed: bool = True) -> Host:
-    """Load the target and its drafter, and start the engine thread over them (untimed: depths never read the
-    clock, so tests see the same drafts however busy the machine is)."""
-    from .drafting import drafter_name, start_drafter
-
-    name, loaded, tokenizer, ckpt, probe = load_target(model, options, progress)
-    drafter, draft_name = None, drafter_name(name, options.drafter)
-    if not probe.get("row_invariant", False):
-        log.warning("backend is not row-invariant (%s): each stream runs its own forward, undrafted%s",
-                    probe.get("detail"), _blas_hint())
-    elif draft_name is not None:
-        progress(f"starting drafter {draft_name}")
-        drafter = start_drafter(draft_name, options.drafter_bits, loaded, tokenizer, dtype=options.dtype)
-    max_positions = int(ckpt.config.get("max_position_embeddings") or DEFAULT_CONTEXT_CAP)
-    context = options.context or min(max_positions, DEFAULT_CONTEXT_CAP)
-    model_id = options.model_name or name
-    info = {"row_invariance": probe, "checkpoint": str(ckpt.path), "model_type": ckpt.model_type,
-            "drafter": draft_name if drafter is not None else None}
-    return Host(loaded, tokenizer, options, model_id=model_id, context=context, info=info, drafter=drafter,
-                timed=timed)

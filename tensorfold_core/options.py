@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+DEFAULT_CONTEXT_CAP = 8192  # the context a model is served with when --context is not given, at most
+
 
 class ServeOptions(BaseModel):
     """Flags of `tensorfold serve` (and the model-facing ones of `tensorfold run`)."""
@@ -14,21 +16,30 @@ class ServeOptions(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0 picks a free one).")
     parallel: int = Field(4, ge=1, le=64, description="Most streams decoded together in one round.")
     context: int | None = Field(None, ge=16, description="Most tokens a stream may hold, prompt and reply "
-                                "(default: the model's max_position_embeddings, at most 8192).")
+                                "(default: the model's max_position_embeddings, at most "
+                                f"{DEFAULT_CONTEXT_CAP}).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Float dtype of the weights and activations (auto: the checkpoint's).")
     prefill_chunk: int = Field(256, ge=1, le=8192, description="Prompt tokens a stream prefills per round.")
     drafter: str | None = Field(None, description="A smaller same-tokenizer model that proposes drafts (a dir, "
                                 "a shipped name or a hub id; 'none' serves without one; default: the shipped "
                                 "model's own drafter).")
-    drafter_bits: Literal[0, 4, 8] | None = Field(None, description="Width of the drafter checkpoint: 4 or 8 "
-                                                  "(MLX affine, read in place) or 0 (float); default: whatever "
-                                                  "it holds.")
+    drafter_bits: Literal[0, 4, 8] | None = Field(None, description="Width the drafter checkpoint must hold: 4 "
+                                                  "or 8 (MLX affine, read in place) or 0 (float); default: "
+                                                  "whatever it holds. Drafters are not quantized at load: a "
+                                                  "width the checkpoint does not hold is refused, naming it.")
     memory_gib: float | None = Field(None, gt=0, description="The one byte budget for stream caches, drafter "
                                      "slots and kept prompt states (default: half the machine's memory).")
     prompt_cache_gib: float = Field(1.0, ge=0, description="Most bytes kept prompt states may hold (0 turns "
                                     "the prompt cache off).")
     model_name: str | None = Field(None, description="Name the model is served under in /v1/models.")
+    plugin_options: dict = Field(default_factory=dict, exclude=True,
+                                 description="Values of the plugins' own flags, by name (not a flag itself).")
+
+    @classmethod
+    def flag_fields(cls) -> dict:
+        """The fields that are flags of `tensorfold serve`."""
+        return {name: field for name, field in cls.model_fields.items() if name != "plugin_options"}
 
     @classmethod
     def flag(cls, field_name: str) -> str:
@@ -38,7 +49,7 @@ class ServeOptions(BaseModel):
 def flags_markdown() -> str:
     """The docs' flag list, made from the same table click and capabilities read."""
     lines = ["| flag | default | what it sets |", "| --- | --- | --- |"]
-    for name, field in ServeOptions.model_fields.items():
+    for name, field in ServeOptions.flag_fields().items():
         default = "" if field.default is None else f"`{field.default}`"
         lines.append(f"| `{ServeOptions.flag(name)}` | {default} | {field.description} |")
     return "\n".join(lines) + "\n"

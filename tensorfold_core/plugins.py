@@ -9,7 +9,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError
-from .specs import DrafterKind, Family, ShippedModel
+from .specs import DrafterKind, Family, ServeOption, ShippedModel
 
 
 def new_plugin_manager(entry_points: bool = True) -> pluggy.PluginManager:
@@ -49,8 +49,20 @@ class Registry:
     def models(self) -> list[ShippedModel]:
         return _flatten(self.pm.hook.tensorfold_models())
 
-    def serve_options(self) -> list:
-        return _flatten(self.pm.hook.tensorfold_serve_options())
+    def serve_options(self) -> list[ServeOption]:
+        return [option for option, _ in self.serve_options_by_plugin()]
+
+    def serve_options_by_plugin(self) -> list[tuple[ServeOption, str]]:
+        """Every plugin flag with the plugin that adds it; two plugins may not add the same flag."""
+        out, seen = [], {}
+        for impl in reversed(self.pm.hook.tensorfold_serve_options.get_hookimpls()):  # registration order
+            for option in impl.function() or []:
+                if option.name in seen:
+                    raise PluginError(f"serve flag --{option.name} is added by both {seen[option.name]} and "
+                                      f"{impl.plugin_name}")
+                seen[option.name] = impl.plugin_name
+                out.append((option, impl.plugin_name))
+        return out
 
     def family_for(self, model_type: str) -> Family:
         for family in self.families():

@@ -64,12 +64,12 @@ class KeptModelState(Protocol):
         """The most tokens, at most `limit`, a restore of this state can start from (0: none)."""
 
 
+MAX_DRAFT_DEPTH = 15  # the most drafts a window carries: 16 verify rows, the widest window the kernels serve
+
+
 @runtime_checkable
 class Proposer(Protocol):
     """Gives streams drafts to verify: the core's copy proposer, or a drafter from a plugin."""
-
-    # optional, not part of the check: `catch_up(asks) -> rows` feeds lagging caches before `propose`, so the core
-    # times that once-off catch-up apart from the chain steps it prices drafts by
 
     name: str
 
@@ -80,16 +80,41 @@ class Proposer(Protocol):
         """The stream left; a drafter may keep its slot for a later request sharing the prefix."""
 
 
+@runtime_checkable
+class Drafter(Proposer, Protocol):
+    """A plugin's drafter: everything core calls of it. It reaches the target only through the Model protocol."""
+
+    def catch_up(self, asks: Sequence["DraftAsk"]) -> int:
+        """Feed lagging slots before `propose`, so the core times this once-off work apart from the chain steps
+        it prices drafts by; the rows fed (0: nothing ran)."""
+
+    def slot_bytes_for(self, tokens: int) -> int:
+        """Bytes one stream's slot holds for a stream of at most `tokens` (reserved at admission; a slot is made
+        at that size when the stream first asks and never grows while it decodes)."""
+
+    def kept_bytes(self) -> int:
+        """Bytes the kept (released) slots hold: they give way first when room is needed."""
+
+    def shed_kept(self, wanted_bytes: int | None = None) -> int:
+        """Free kept slots, oldest first, until `wanted_bytes` are freed (all for None); the bytes freed."""
+
+    def close(self) -> None:
+        """Drop every slot, live or kept, and give the device's buffers back."""
+
+
 class DraftAsk:
-    """One stream's ask: its committed tokens (pending one last), the depth wanted, the most catch-up rows."""
+    """One stream's ask: its committed tokens (pending one last), the depth wanted, the most catch-up rows, and
+    the most tokens the stream may hold (what its slot was priced for at admission)."""
 
-    __slots__ = ("stream_id", "tokens", "depth", "catch_up")
+    __slots__ = ("stream_id", "tokens", "depth", "catch_up", "limit")
 
-    def __init__(self, stream_id: int, tokens: Sequence[int], depth: int, catch_up: int | None = None):
+    def __init__(self, stream_id: int, tokens: Sequence[int], depth: int, catch_up: int | None = None,
+                 limit: int | None = None):
         self.stream_id = stream_id
         self.tokens = tokens
         self.depth = depth
         self.catch_up = catch_up  # None: a drafter feeds all the context it lacks; a bound lets it skip the rest
+        self.limit = len(tokens) + depth if limit is None else limit
 
     def __repr__(self):
         return f"DraftAsk(stream_id={self.stream_id}, tokens=<{len(self.tokens)}>, depth={self.depth})"

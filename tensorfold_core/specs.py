@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from .errors import OptionError
+from .protocols import MAX_DRAFT_DEPTH
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
-    from .protocols import Model
+    from .protocols import Drafter, Model
+
+DRAFTER_ROLE_KEY = "tensorfold_role"  # config.json key; "drafter": served only as a drafter (the zoo writes it)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class Family:
     model_types: tuple[str, ...]
     load: Callable[["Checkpoint", LoadOptions], "Model"]
     description: str = ""
+    # which configs of this family draft only (refused when served alone), beyond the config's own marker
+    drafter_only: Callable[[dict], bool] = lambda config: False
 
 
 @dataclass(frozen=True)
@@ -41,21 +49,63 @@ class ShippedModel:
 
 
 @dataclass(frozen=True)
+class DrafterOptions:
+    """How core starts a drafter: width asked for, weights dtype, deepest chain, kept slots, eos ids, plugin flags."""
+
+    bits: int | None = None  # --drafter-bits; None: serve what the checkpoint holds
+    dtype: str = "auto"
+    max_depth: int = MAX_DRAFT_DEPTH
+    max_kept: int = 4  # slots kept for later requests: the serve default of --parallel
+    eos_ids: frozenset[int] | None = None  # None until admitted: then the target tokenizer's
+    plugin_options: dict = field(default_factory=dict)  # values of the plugins' own serve flags, by name
+
+    def __post_init__(self):
+        if not 1 <= self.max_depth <= MAX_DRAFT_DEPTH:
+            raise OptionError(f"drafter max_depth {self.max_depth}: expected 1..{MAX_DRAFT_DEPTH}")
+        if self.max_kept < 0:
+            raise OptionError(f"drafter max_kept {self.max_kept}: expected 0 or more")
+        if self.eos_ids is not None:
+            object.__setattr__(self, "eos_ids", frozenset(int(t) for t in self.eos_ids))
+
+    def replace(self, **changes) -> "DrafterOptions":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def serving(cls, options) -> "DrafterOptions":
+        """The drafter's options under a server's `ServeOptions`."""
+        return cls(bits=options.drafter_bits, dtype=options.dtype, max_kept=options.parallel,
+                   plugin_options=dict(options.plugin_options))
+
+
+class AdmitDrafter(Protocol):
+    def __call__(self, target: "Model", drafter_ckpt: "Checkpoint", bits: int | None) -> None:
+        """Refuse (DrafterError) a drafter this kind cannot run for the target: wrong family, refused bits."""
+
+
+class StartDrafter(Protocol):
+    def __call__(self, target: "Model", drafter_ckpt: "Checkpoint", options: DrafterOptions) -> "Drafter":
+        """Load, warm up and return the drafter; a drafter that cannot run raises DrafterError, freed."""
+
+
+@dataclass(frozen=True)
 class DrafterKind:
-    """A kind of drafter: which checkpoints it drives and how it starts in front of a target."""
+    """A kind of drafter: which checkpoints it drives and how it starts in front of a target (core has already
+    checked that the drafter's tokenizer is the target's)."""
 
     name: str
     matches: Callable[["Checkpoint"], bool]
-    admit: Callable[..., None]
-    start: Callable[..., object]
+    admit: AdmitDrafter
+    start: StartDrafter
     description: str = ""
 
 
 @dataclass(frozen=True)
 class ServeOption:
-    """A plugin's serve flag, shown in `capabilities --json`."""
+    """A plugin's serve flag (`--NAME`): listed by `serve --help` and `capabilities --json`, its value handed to
+    the plugin's drafter in `DrafterOptions.plugin_options[name]`."""
 
-    name: str
+    name: str  # dashes, as typed: "dspark-threshold"
     help: str
-    default: object = None
+    default: int | float | str | None = None
     choices: tuple = field(default_factory=tuple)
+    type: type = str  # int, float or str: how the flag's text is read

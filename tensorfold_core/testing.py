@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -197,3 +198,89 @@ def solo(model, request: GenerationRequest) -> list[int]:
     run.finish()
     assert request.draft or run.done(0).usage["tensorfold"]["drafted"] == 0
     return run.tokens(0)
+
+
+def array_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every distinct mx.array an object holds (through lists, tuples, dicts and attributes): what a
+    cache or slot really occupies, whatever its own arithmetic says."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(array_bytes(item, seen) for item in obj)
+    if isinstance(obj, dict):
+        return sum(array_bytes(item, seen) for item in obj.values())
+    fields = getattr(obj, "__dict__", None) or {name: getattr(obj, name, None)
+                                               for name in getattr(type(obj), "__slots__", ())}
+    return sum(array_bytes(value, seen) for value in fields.values())
+
+
+# ---- a package's import graph (imports inside functions included), for the layering tests ----
+
+def module_names(package_dir: Path, package_name: str) -> dict[str, Path]:
+    """Every module of a package (sub-packages too), by dotted name; a package is its `__init__.py`."""
+    out = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join([package_name, *parts])] = path
+    return out
+
+
+def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that `module` imports anywhere in its text (a function's body included)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from pkg import mod` imports the module pkg.mod; `from pkg.mod import name` imports pkg.mod
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return {name for name in found if name in modules and name != module}
+
+
+def import_graph(package_dir: Path, package_name: str) -> dict[str, set[str]]:
+    modules = module_names(package_dir, package_name)
+    return {name: imported(name, path, modules) for name, path in modules.items()}
+
+
+def import_cycles(package_dir: Path, package_name: str) -> list[list[str]]:
+    """Each set of modules that import one another round a circle (a strongly connected component), sorted."""
+    graph = import_graph(Path(package_dir), package_name)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm; a package has few enough modules for recursion
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)

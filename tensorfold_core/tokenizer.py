@@ -9,15 +9,7 @@ import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import CheckpointError
-
-
-def _read_json(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+from .files import read_json_if_present
 
 
 def _token_text(value) -> str | None:
@@ -56,9 +48,9 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(tok_file))
         except Exception as exc:  # tokenizers raises plain Exception on malformed files
             raise CheckpointError(f"{tok_file}: cannot be read ({exc})") from exc
-        tok_config = _read_json(path / "tokenizer_config.json")
-        config = _read_json(path / "config.json")
-        gen_config = _read_json(path / "generation_config.json")
+        tok_config = read_json_if_present(path / "tokenizer_config.json")
+        config = read_json_if_present(path / "config.json")
+        gen_config = read_json_if_present(path / "generation_config.json")
         texts = {key: _token_text(tok_config.get(key)) for key in ("bos_token", "eos_token", "pad_token")}
         texts = {k: v for k, v in texts.items() if v}
 
@@ -113,6 +105,71 @@ class Tokenizer:
         model = json.loads(self.backend.to_str())
         return {"model": model.get("model"), "added_tokens": model.get("added_tokens"),
                 "bos": self.bos_id, "eos": sorted(self.eos_ids)}
+
+
+# ---- drafter admission: the first difference between two tokenizers, in words ----
+
+def _entry(value) -> str:
+    return "no token" if value is None else repr(value)
+
+
+def _vocab_difference(target, drafter) -> str | None:
+    def by_id(vocab):  # BPE/WordPiece: {token: id}; Unigram: [[piece, score], ...]
+        if isinstance(vocab, dict):
+            return {i: t for t, i in vocab.items()}
+        return dict(enumerate(vocab or []))
+
+    a, b = by_id(target), by_id(drafter)
+    for i in sorted(set(a) | set(b)):
+        if a.get(i) != b.get(i):
+            return f"token id {i}: target {_entry(a.get(i))} vs drafter {_entry(b.get(i))}"
+    return None
+
+
+def _merge_difference(target, drafter) -> str | None:
+    show = lambda m: repr(" ".join(m) if isinstance(m, list) else m)
+    a, b = target or [], drafter or []
+    for i in range(max(len(a), len(b))):
+        if i >= len(a) or i >= len(b) or a[i] != b[i]:
+            left = show(a[i]) if i < len(a) else f"none ({len(a)} merges)"
+            right = show(b[i]) if i < len(b) else f"none ({len(b)} merges)"
+            return f"merges differ at merge {i}: target {left} vs drafter {right}"
+    return None
+
+
+def _added_difference(target, drafter) -> str | None:
+    a, b = ({t.get("id"): t for t in tokens or []} for tokens in (target, drafter))
+    for i in sorted(set(a) | set(b), key=lambda i: (i is None, i)):
+        left, right = a.get(i), b.get(i)
+        if left == right:
+            continue
+        if left is None or right is None or left.get("content") != right.get("content"):
+            text = lambda t: _entry(t and t.get("content"))
+            return f"added token id {i}: target {text(left)} vs drafter {text(right)}"
+        key = next(k for k in sorted(set(left) | set(right)) if left.get(k) != right.get(k))
+        return f"added token id {i} ({left.get('content')!r}): {key} {left.get(key)!r} vs {right.get(key)!r}"
+    return None
+
+
+def tokenizer_difference(target: dict, drafter: dict) -> str | None:
+    """The first difference of two `Tokenizer.fingerprint()`s, in words; None when they match."""
+    tm, dm = target.get("model") or {}, drafter.get("model") or {}
+    if tm.get("type") != dm.get("type"):
+        return f"tokenizer models differ: target {tm.get('type')} vs drafter {dm.get('type')}"
+    why = _vocab_difference(tm.get("vocab"), dm.get("vocab")) or _merge_difference(tm.get("merges"), dm.get("merges"))
+    if why:
+        return why
+    for key in sorted((set(tm) | set(dm)) - {"vocab", "merges"}):
+        if tm.get(key) != dm.get(key):
+            return f"tokenizer model field {key!r} differs: target {tm.get(key)!r} vs drafter {dm.get(key)!r}"
+    why = _added_difference(target.get("added_tokens"), drafter.get("added_tokens"))
+    if why:
+        return why
+    if target.get("bos") != drafter.get("bos"):
+        return f"bos ids differ: {target.get('bos')} vs {drafter.get('bos')}"
+    if target.get("eos") != drafter.get("eos"):
+        return f"eos ids differ: {target.get('eos')} vs {drafter.get('eos')}"
+    return None
 
 
 def _raise_template_error(message):

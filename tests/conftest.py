@@ -15,7 +15,7 @@ def tiny_llama_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tiny_llama_path):
     """A real host (parallel=4) behind a real server on a free loopback port; `.url`, `.host`, `.stop()`."""
-    from tensorfold_core.host import load_host
+    from tensorfold_core.loading import load_host
     from tensorfold_core.options import ServeOptions
     from tensorfold_core.server import start_in_thread
 

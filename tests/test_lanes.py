@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tensorfold_core.checkpoint import load_model
+from tensorfold_core.loading import load_model
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import Run, serial, solo, tiny_llama_checkpoint

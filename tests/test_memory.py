@@ -6,15 +6,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorfold_core.checkpoint import load_model
-from tensorfold_core.drafting import start_drafter
+from tensorfold_core.loading import load_model
+from tensorfold_core.loading import start_drafter
 from tensorfold_core.errors import RequestError
 from tensorfold_core.host import Host
 from tensorfold_core.lanes.types import DoneEvent, GenerationRequest, TokenEvent
 from tensorfold_core.memory.ledger import GIB
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.sampling import SamplingParams
-from tensorfold_core.testing import tiny_llama_checkpoint, truncated_drafter
+from tensorfold_core.testing import array_bytes, tiny_llama_checkpoint, truncated_drafter
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,11 @@ def pair(tmp_path_factory):
 
 def make_host(pair, budget_bytes, *, drafted=True, prompt_cache_bytes=0, parallel=4):
     model, tokenizer, drafter_path = pair
-    drafter = start_drafter(str(drafter_path), None, model, tokenizer) if drafted else None
+    drafter = start_drafter(str(drafter_path), model, tokenizer) if drafted else None
     options = ServeOptions(parallel=parallel, memory_gib=budget_bytes / GIB, prompt_cache_gib=prompt_cache_bytes / GIB,
                            prefill_chunk=16)
     return Host(model, tokenizer, options, model_id="m", context=512, drafter=drafter,
-                info={"row_invariance": {"row_invariant": True}}, start=False)
+                row_invariant=True, start=False)
 
 
 class Driver:
@@ -51,9 +51,24 @@ class Driver:
         host = self.host
         host._drain_inbox()
         host._admit()
-        assert host.ledger.held() <= host.ledger.budget
+        self.check_real_bytes()
         host.engine.round()
-        assert host.ledger.held() <= host.ledger.budget
+        self.check_real_bytes()
+
+    def check_real_bytes(self):
+        """Held bytes stay in the budget, and what each stream really holds (its cache's and its drafter slot's
+        arrays, growth included) stays within what admission reserved for it."""
+        host = self.host
+        ledger = host.ledger
+        assert ledger.held() <= ledger.budget
+        drafter = host.drafter
+        for stream in host.engine.streams.values():
+            assert array_bytes(stream.cache) <= ledger.reserved(("stream", stream.id))
+            slot = drafter.slots.get(stream.id) if drafter is not None else None
+            if slot is not None:
+                assert array_bytes(slot.cache) <= ledger.reserved(("slot", stream.id))
+        if drafter is not None:
+            assert array_bytes([slot.cache for slot in drafter.kept]) <= ledger.reserved(("drafter", "kept"))
 
     def finish(self, limit=10_000):
         for _ in range(limit):

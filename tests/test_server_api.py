@@ -229,3 +229,9 @@ def test_capabilities_show_the_live_memory_ledger_and_the_queue(served):
     assert 0 <= memory["held_bytes"] <= memory["budget_bytes"]
     assert sum(memory["held_by_kind"].values()) == memory["held_bytes"]
     assert {"held_by_kind", "prompt_cache", "budget_bytes"} <= set(caps["memory"]) and caps["queued"] == 0
+
+
+def test_the_server_types_against_one_host_interface_which_the_engine_host_gives(served):
+    from tensorfold_core.server.served import ServedHost
+
+    assert isinstance(served.host, ServedHost)

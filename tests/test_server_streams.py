@@ -197,7 +197,7 @@ def failing(served):
     host, original = served.host, served.host.submit
     settings = {"after": 0}
 
-    def submit(request, on_event):
+    def submit(request, on_event, prompt_param="prompt"):
         state = {"tokens": 0, "failed": False}
 
         def relay(event):
@@ -209,7 +209,7 @@ def failing(served):
             state["tokens"] += isinstance(event, TokenEvent)
             on_event(event)
 
-        return original(request, relay)
+        return original(request, relay, prompt_param)
 
     host.submit = submit
     yield settings

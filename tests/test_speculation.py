@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tensorfold_core.host import load_host
+from tensorfold_core.loading import load_host
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.server import start_in_thread
 from tensorfold_core.testing import mlx_quantized_copy, tiny_llama_checkpoint, truncated_drafter

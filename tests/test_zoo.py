@@ -4,6 +4,7 @@ pair shares one tokenizer byte for byte."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tensorfold_core.checkpoint import load_model
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.errors import DrafterError
+from tensorfold_core.loading import drafter_only, load_model, load_target
+from tensorfold_core.options import ServeOptions
 from tensorfold_core.plugins import registry
 from tensorfold_core.specs import LoadOptions
 
@@ -79,6 +83,14 @@ def test_serving_a_drafter_only_model_alone_is_refused_by_name():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "tiny-llama-drafter is admitted only as a drafter" in result.stderr
+
+
+def test_a_local_copy_of_the_drafter_is_known_as_drafter_only_by_its_own_config(tmp_path):
+    models = shipped_models()
+    copy = shutil.copytree(models["tiny-llama-drafter"].path, tmp_path / "my-drafter")
+    assert drafter_only(Checkpoint.open(copy)) and not drafter_only(Checkpoint.open(models["tiny-llama"].path))
+    with pytest.raises(DrafterError, match=f"{copy} is admitted only as a drafter; serve a target with --drafter"):
+        load_target(str(copy), ServeOptions())
 
 
 def test_run_by_name_continues_python_and_drafted_equals_plain():

@@ -6,14 +6,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..protocols import DraftAsk, Model, Proposer
+from ..protocols import MAX_DRAFT_DEPTH, DraftAsk, Drafter, Model
 from ..sampling import draw_rows
 from .copy import CopyProposer
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
 from .stream import Stream
 from .types import ErrorEvent
-
-MAX_DEPTH = 15
 
 
 @dataclass
@@ -39,7 +37,7 @@ class Engine:
     """Runs rounds over admitted streams; single-threaded, so it can run in a thread or inline."""
 
     def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
-                 drafter: Proposer | None = None, max_depth: int = MAX_DEPTH, timed: bool = False,
+                 drafter: Drafter | None = None, max_depth: int = MAX_DRAFT_DEPTH, timed: bool = False,
                  fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None):
         self.model = model
         self.prefill_chunk = prefill_chunk
@@ -117,10 +115,8 @@ class Engine:
         if drafting:
             # a probe's drafts only test whether drafting pays again: its catch-up is bounded, so its cost is too
             asks = [DraftAsk(t.stream.id, t.stream.tokens, d, PROBE_CATCH_UP if self.planner.probing(t.stream.id)
-                             else None) for t, d in drafting]
-            catch_up = getattr(self.drafter, "catch_up", None)  # optional: a drafter that feeds lagging slots apart
-            if catch_up is not None:
-                catch_up(asks)
+                             else None, limit=t.stream.limit) for t, d in drafting]
+            self.drafter.catch_up(asks)
             self.planner.caught_up()
             proposals = self.drafter.propose(asks)
             for (turn, depth), drafts in zip(drafting, proposals):

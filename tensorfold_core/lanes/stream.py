@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..protocols import Cache
 from ..sampling import seed_from_prompt
-from .types import DoneEvent, GenerationRequest, TokenEvent
+from .types import DoneEvent, GenerationRequest, TokenEvent, usage
+
+log = logging.getLogger("tensorfold")
 
 
 @dataclass
@@ -73,19 +76,13 @@ class Stream:
         return shown
 
     def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_len,
-            "completion_tokens": self.generated,
-            "total_tokens": len(self.tokens),
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "tensorfold": self.stats.as_dict(),
-        }
+        return usage(self.prompt_len, self.generated, self.cached_tokens, self.stats.as_dict())
 
     def emit(self, event) -> None:
         try:
             self.on_event(event)
         except Exception:  # a failing listener must not stop the engine or other streams
-            pass
+            log.exception("stream %s: its listener failed on %s", self.id, type(event).__name__)
 
     def emit_tokens(self, token_ids: list[int]) -> None:
         if token_ids:

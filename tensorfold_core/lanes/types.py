@@ -18,6 +18,18 @@ class GenerationRequest:
     draft: bool = True  # False: the serial reference, one token per round, no drafts
 
 
+def usage(prompt_tokens: int, completion_tokens: int = 0, cached_tokens: int = 0,
+          rounds: dict | None = None) -> dict:
+    """A stream's usage, one shape everywhere: OpenAI's counts, cached prompt tokens and its rounds' stats."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "tensorfold": rounds or {"rounds": 0, "drafted": 0, "accepted": 0},
+    }
+
+
 @dataclass
 class TokenEvent:
     """Tokens committed to a stream in one round (one, or several when drafts land)."""

@@ -59,6 +59,11 @@ class Ledger:
         with self._lock:
             return self._held.pop(key, (None, 0))[1]
 
+    def reserved(self, key: Hashable) -> int:
+        """Bytes held under `key` (0 when nothing is)."""
+        with self._lock:
+            return self._held.get(key, (None, 0))[1]
+
     def holds(self, key: Hashable) -> bool:
         with self._lock:
             return key in self._held

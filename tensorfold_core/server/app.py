@@ -19,13 +19,14 @@ from .reply import Reply
 from .schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                       ChatDelta, ChatMessageOut, Completion, CompletionChoice, CompletionRequest, GenerationFields,
                       ModelCard, ModelList, Usage)
+from .served import ServedHost
 from .stream import open_stream
 
 GONE = 499  # nginx's "client closed request": never read by anyone, but honest in the access log
 
 
-def create_app(host) -> FastAPI:
-    """An app serving `host` (see tensorfold_core.host.Host) under the OpenAI API."""
+def create_app(host: ServedHost) -> FastAPI:
+    """An app serving `host` under the OpenAI API."""
     app = FastAPI(title="tensorfold", version=__version__, docs_url=None, redoc_url=None)
     app.state.host = host
     app.state.created = int(time.time())
@@ -93,10 +94,7 @@ def create_app(host) -> FastAPI:
         _check_model(host, body.model)
         body.refuse_unsupported()
         prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids = host.tokenizer.encode(prompt)
-        else:
-            prompt_ids = _checked_ids(host, prompt)
+        prompt_ids = host.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         generation = _start(host, body, prompt_ids, http)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -123,27 +121,15 @@ def create_app(host) -> FastAPI:
     return app
 
 
-def _check_model(host, name: str | None) -> None:
+def _check_model(host: ServedHost, name: str | None) -> None:
     """A request may leave the model out or name the served id; any other name is a 404."""
     if name and name != host.model_id:
         raise RequestError(f"The model `{name}` does not exist; this server serves `{host.model_id}`.",
                            param="model", code="model_not_found", status=404, kind="not_found_error")
 
 
-def _checked_ids(host, ids: list[int]) -> list[int]:
-    vocab = host.tokenizer.backend.get_vocab_size(with_added_tokens=True)
-    for i, token in enumerate(ids):
-        if not 0 <= token < vocab:
-            raise RequestError(f"prompt token id {token} at index {i} is outside the vocabulary (0..{vocab - 1})",
-                               param="prompt", code="invalid_token_id")
-    return list(ids)
-
-
-def _start(host, body: GenerationFields, prompt_ids: list[int], http: Request) -> Generation:
+def _start(host: ServedHost, body: GenerationFields, prompt_ids: list[int], http: Request) -> Generation:
     """Build the engine request (eos ids are stop tokens; no limit = the rest of the context) and submit it."""
-    prompt_param = "prompt" if isinstance(body, CompletionRequest) else "messages"
-    if not prompt_ids:
-        raise RequestError("the prompt is empty", param=prompt_param)
     limit = body.token_limit()
     max_tokens = limit if limit is not None else max(1, host.context - len(prompt_ids))
     sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
@@ -152,10 +138,5 @@ def _start(host, body: GenerationFields, prompt_ids: list[int], http: Request) -
     request = GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, sampling=sampling,
                                 stop_token_ids=eos, draft=body.draft)
     generation = Generation(host, request, Reply(host.tokenizer, body.stop_strings(), eos), http)
-    try:
-        generation.start()
-    except RequestError as exc:  # the host names the prompt one way; say it the way this endpoint spells it
-        if exc.param in ("prompt", "messages"):
-            exc.param = prompt_param
-        raise
+    generation.start("prompt" if isinstance(body, CompletionRequest) else "messages")
     return generation

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from ..errors import TensorfoldError
 from ..lanes.types import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from .reply import Piece, Reply
+from .served import ServedHost
 
 log = logging.getLogger("tensorfold.server")
 
@@ -32,7 +33,7 @@ class Step:
 class Generation:
     """Drives one stream: the engine thread calls `_on_event`; the event loop reads `steps()`."""
 
-    def __init__(self, host, request: GenerationRequest, reply: Reply, http: Request | None = None):
+    def __init__(self, host: ServedHost, request: GenerationRequest, reply: Reply, http: Request | None = None):
         self.host = host
         self.request = request
         self.reply = reply
@@ -43,9 +44,9 @@ class Generation:
         self.finished = False  # the host sent its DoneEvent or ErrorEvent
         self.cancelled = False
 
-    def start(self) -> None:
-        """Submit to the host; a request it can never serve raises RequestError here."""
-        self.ticket = self.host.submit(self.request, self._on_event)
+    def start(self, prompt_param: str = "prompt") -> None:
+        """Submit to the host; a request it can never serve raises RequestError here, naming `prompt_param`."""
+        self.ticket = self.host.submit(self.request, self._on_event, prompt_param)
 
     def _on_event(self, event) -> None:
         # called from the engine thread: hand the event to the loop, never touch asyncio objects here

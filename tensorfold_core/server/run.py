@@ -10,6 +10,7 @@ from typing import Callable
 import uvicorn
 
 from .app import create_app
+from .served import ServedHost
 
 
 def _bind(bind_host: str, port: int) -> socket.socket:
@@ -41,7 +42,7 @@ class _Uvicorn(uvicorn.Server):
 class Server:
     """One HTTP server for a host on a bound socket: `.port` and `.url` are known as soon as it exists."""
 
-    def __init__(self, host, bind_host: str = "127.0.0.1", port: int = 0, log_level: str = "info"):
+    def __init__(self, host: ServedHost, bind_host: str = "127.0.0.1", port: int = 0, log_level: str = "info"):
         self.host = host
         self.bind_host = bind_host
         self.socket = _bind(bind_host, port)
@@ -100,7 +101,7 @@ class Server:
         self.stop()
 
 
-def serve(host, bind_host: str = "127.0.0.1", port: int = 8000,
+def serve(host: ServedHost, bind_host: str = "127.0.0.1", port: int = 8000,
           ready_callback: Callable[[Server], None] | None = None, log_level: str = "info") -> None:
     """Serve `host` until interrupted; prints the bound URL and calls `ready_callback(server)` once listening.
 
@@ -109,6 +110,6 @@ def serve(host, bind_host: str = "127.0.0.1", port: int = 8000,
     Server(host, bind_host, port, log_level=log_level).serve(ready_callback)
 
 
-def start_in_thread(host, port: int = 0, bind_host: str = "127.0.0.1", log_level: str = "warning") -> Server:
+def start_in_thread(host: ServedHost, port: int = 0, bind_host: str = "127.0.0.1", log_level: str = "warning") -> Server:
     """A server on a background thread; `.url`, `.port` and `.stop()` on the returned handle."""
     return Server(host, bind_host, port, log_level=log_level).start()

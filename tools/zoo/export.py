@@ -34,6 +34,7 @@ QUANTIZED = {
 }
 DEST.update({q: DEST[src].parent / q for q, src in QUANTIZED.items()})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DRAFTER_ONLY = {"tiny-llama-drafter", "tiny-llama-drafter-4bit"}  # marked in config.json: served alone, refused
 
 
 def load_trained(name: str, run: Path) -> torch.nn.Module:
@@ -66,7 +67,9 @@ def patch_config(out: Path) -> None:
     if cfg["model_type"] == "lfm2" and "block_dim" not in cfg:
         # transformers 5.x drops block_dim when saving Lfm2 configs; mlx-lm requires it.
         cfg["block_dim"] = cfg["hidden_size"]
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if out.name in DRAFTER_ONLY:
+        cfg["tensorfold_role"] = "drafter"  # tensorfold_core.specs.DRAFTER_ROLE_KEY: the checkpoint says it drafts
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def export_bf16(name: str, run: Path, tokenizer_dir: Path) -> Path:
@@ -98,6 +101,7 @@ def export_4bit(name: str, tokenizer_dir: Path) -> Path:
         (out / extra).unlink(missing_ok=True)
     copy_tokenizer(tokenizer_dir, out)
     shutil.copyfile(src / "generation_config.json", out / "generation_config.json")
+    patch_config(out)
     return out
 
 

@@ -17,7 +17,8 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 5
 
 @pytest.fixture(scope="module", params=[False, True], ids=["lfm2", "moe"])
 def model(request, checkpoints):
-    return load(Checkpoint.open(checkpoints("moe" if request.param else "lfm2", moe=request.param)))
+    ckpt = Checkpoint.open(checkpoints("moe" if request.param else "lfm2", moe=request.param))
+    return load(ckpt), ckpt.tokenizer()
 
 
 def serve(host, prompt, sampled=False, max_tokens=20):
@@ -37,8 +38,7 @@ def serve(host, prompt, sampled=False, max_tokens=20):
 
 def make_host(model, prompt_cache_bytes=0):
     options = ServeOptions(parallel=2, memory_gib=1.0, prompt_cache_gib=prompt_cache_bytes / GIB, prefill_chunk=16)
-    return Host(model, None, options, model_id="m", context=256, info={"row_invariance": {"row_invariant": True}},
-                start=False)
+    return Host(*model, options, model_id="m", context=256, row_invariant=True, start=False)
 
 
 @pytest.mark.parametrize("sampled", [False, True])

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tensorfold_core.host import load_host
+from tensorfold_core.loading import load_host
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.server import start_in_thread
 from tensorfold_lfm2 import plugin

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from lfm2_helpers import DRAFTS, Spy, solo
-from tensorfold_core.checkpoint import load_model
+from tensorfold_core.loading import load_model
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.sampling import SamplingParams

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import gc
 import traceback
-from dataclasses import dataclass, fields
 from typing import Sequence
 
 import mlx.core as mx
 
 from tensorfold_core.checkpoint import Checkpoint
-from tensorfold_core.errors import CheckpointError, DrafterError, OptionError
-from tensorfold_core.families import GROW_STEP, WINDOW_SLACK
-from tensorfold_core.protocols import DraftAsk
-from tensorfold_core.specs import LoadOptions
+from tensorfold_core.errors import CheckpointError, DrafterError
+from tensorfold_core.families import GROW_STEP
+from tensorfold_core.protocols import DraftAsk, Model as TargetModel
+from tensorfold_core.sequences import common_prefix
+from tensorfold_core.specs import DrafterOptions, LoadOptions
 
 from .load import load
 from .cache import KVCache
@@ -21,43 +21,10 @@ from .model import Model
 
 MODEL_TYPES = ("llama", "mistral")
 BITS = (0, 4, 8)
-MAX_DEPTH = 15
 WARM_UP_ID = -1  # a stream id no lane core hands out
 
 
-@dataclass(frozen=True)
-class DrafterOptions:
-    """How the drafter starts: weights dtype, deepest chain, kept slots, eos ids."""
-
-    dtype: str = "auto"
-    max_depth: int = MAX_DEPTH
-    max_kept: int = 4  # the serve default of --parallel
-    eos_ids: frozenset[int] | None = None  # None: the drafter tokenizer's (equal to the target's once admitted)
-
-    def __post_init__(self):
-        if not 1 <= self.max_depth <= MAX_DEPTH:
-            raise OptionError(f"drafter max_depth {self.max_depth}: expected 1..{MAX_DEPTH}")
-        if self.max_kept < 0:
-            raise OptionError(f"drafter max_kept {self.max_kept}: expected 0 or more")
-        if self.eos_ids is not None:
-            object.__setattr__(self, "eos_ids", frozenset(int(t) for t in self.eos_ids))
-
-    @classmethod
-    def of(cls, options) -> "DrafterOptions":
-        """Read a DrafterOptions, a dict, or any object with some of the fields (ServeOptions' parallel -> max_kept)."""
-        if isinstance(options, cls):
-            return options
-        if options is None or isinstance(options, dict):
-            get = dict(options or {}).get
-        else:
-            get = lambda key: getattr(options, key, None)
-        values = {f.name: get(f.name) for f in fields(cls) if get(f.name) is not None}
-        if "max_kept" not in values and get("parallel") is not None:
-            values["max_kept"] = get("parallel")
-        return cls(**values)
-
-
-# ---- admission: which checkpoints, which tokenizer, which width ----
+# ---- admission: which checkpoints, which width (core has checked the tokenizer) ----
 
 def matches(ckpt: Checkpoint) -> bool:
     """A llama or mistral checkpoint can draft."""
@@ -80,82 +47,12 @@ def _held(ckpt: Checkpoint) -> tuple[int, str]:
     return 0, dtype
 
 
-def _entry(value) -> str:
-    return "no token" if value is None else repr(value)
-
-
-def _vocab_difference(target, drafter) -> str | None:
-    def by_id(vocab):  # BPE/WordPiece: {token: id}; Unigram: [[piece, score], ...]
-        if isinstance(vocab, dict):
-            return {i: t for t, i in vocab.items()}
-        return dict(enumerate(vocab or []))
-
-    a, b = by_id(target), by_id(drafter)
-    for i in sorted(set(a) | set(b)):
-        if a.get(i) != b.get(i):
-            return f"token id {i}: target {_entry(a.get(i))} vs drafter {_entry(b.get(i))}"
-    return None
-
-
-def _merge_difference(target, drafter) -> str | None:
-    show = lambda m: repr(" ".join(m) if isinstance(m, list) else m)
-    a, b = target or [], drafter or []
-    for i in range(max(len(a), len(b))):
-        if i >= len(a) or i >= len(b) or a[i] != b[i]:
-            left = show(a[i]) if i < len(a) else f"none ({len(a)} merges)"
-            right = show(b[i]) if i < len(b) else f"none ({len(b)} merges)"
-            return f"merges differ at merge {i}: target {left} vs drafter {right}"
-    return None
-
-
-def _added_difference(target, drafter) -> str | None:
-    a, b = ({t.get("id"): t for t in tokens or []} for tokens in (target, drafter))
-    for i in sorted(set(a) | set(b), key=lambda i: (i is None, i)):
-        left, right = a.get(i), b.get(i)
-        if left == right:
-            continue
-        if left is None or right is None or left.get("content") != right.get("content"):
-            text = lambda t: _entry(t and t.get("content"))
-            return f"added token id {i}: target {text(left)} vs drafter {text(right)}"
-        key = next(k for k in sorted(set(left) | set(right)) if left.get(k) != right.get(k))
-        return f"added token id {i} ({left.get('content')!r}): {key} {left.get(key)!r} vs {right.get(key)!r}"
-    return None
-
-
-def tokenizer_difference(target: dict, drafter: dict) -> str | None:
-    """The first difference of two `Tokenizer.fingerprint()`s, in words; None when they match."""
-    tm, dm = target.get("model") or {}, drafter.get("model") or {}
-    if tm.get("type") != dm.get("type"):
-        return f"tokenizer models differ: target {tm.get('type')} vs drafter {dm.get('type')}"
-    why = _vocab_difference(tm.get("vocab"), dm.get("vocab")) or _merge_difference(tm.get("merges"), dm.get("merges"))
-    if why:
-        return why
-    for key in sorted((set(tm) | set(dm)) - {"vocab", "merges"}):
-        if tm.get(key) != dm.get(key):
-            return f"tokenizer model field {key!r} differs: target {tm.get(key)!r} vs drafter {dm.get(key)!r}"
-    why = _added_difference(target.get("added_tokens"), drafter.get("added_tokens"))
-    if why:
-        return why
-    if target.get("bos") != drafter.get("bos"):
-        return f"bos ids differ: {target.get('bos')} vs {drafter.get('bos')}"
-    if target.get("eos") != drafter.get("eos"):
-        return f"eos ids differ: {target.get('eos')} vs {drafter.get('eos')}"
-    return None
-
-
-def admit(target_tokenizer, target_model, drafter_ckpt: Checkpoint, bits: int | None = None) -> None:
-    """Refuse a drafter whose tokenizer differs from the target's, or whose weights are not `bits` wide."""
+def admit(target: TargetModel, drafter_ckpt: Checkpoint, bits: int | None = None) -> None:
+    """Refuse a checkpoint this drafter does not read, or whose weights are not `bits` wide (None: any)."""
     name = drafter_ckpt.path.name
     if not matches(drafter_ckpt):
         raise DrafterError(f"drafter {name}: model_type {drafter_ckpt.config.get('model_type')!r} is not drafted "
                            f"by the llama drafter ({', '.join(MODEL_TYPES)})")
-    try:
-        drafter_tokenizer = drafter_ckpt.tokenizer()
-    except CheckpointError as exc:
-        raise DrafterError(f"drafter {name}: its tokenizer cannot be compared with the target's ({exc})") from exc
-    why = tokenizer_difference(target_tokenizer.fingerprint(), drafter_tokenizer.fingerprint())
-    if why:
-        raise DrafterError(f"drafter {name} does not share the target's tokenizer: {why}")
     if bits is None:
         return
     if bits not in BITS:
@@ -191,7 +88,7 @@ class Slot:
 
     def feed(self, context: list[int], limit: int | None) -> list[int]:
         """Trim to the context and return the rows still to feed, at most `limit` of them plus the last one."""
-        start = self.cut + _common_prefix(self.tokens, context, self.cut, self.cut + self.skipped)
+        start = self.cut + common_prefix(self.tokens, context, self.cut, self.cut + self.skipped)
         # the last context token is always fed: its row gives the first draft
         start = min(start, len(context) - self.skipped - 1)
         self.trim(start)
@@ -207,60 +104,52 @@ class Slot:
             self.whole = len(self.tokens)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], a_from: int = 0, b_from: int = 0, chunk: int = 512) -> int:
-    """Length of the common prefix of a[a_from:] and b[b_from:], without copying either: chunks compare at C speed."""
-    n = max(min(len(a) - a_from, len(b) - b_from), 0)
-    at = 0
-    while at < n and a[a_from + at:a_from + min(at + chunk, n)] == b[b_from + at:b_from + min(at + chunk, n)]:
-        at += chunk
-    if at >= n:
-        return n
-    end = min(at + chunk, n)
-    return next((i for i in range(at, end) if a[a_from + i] != b[b_from + i]), end)
-
-
-def _round_up(tokens: int) -> int:
-    # slots grow in the cache's own step, so its storage stays `cache_bytes(capacity)`
-    return -(-tokens // GROW_STEP) * GROW_STEP
+def _nbytes(cache: KVCache) -> int:
+    """Bytes a slot's cache really holds (its arrays), whatever capacity it was made with."""
+    return sum(a.nbytes for a in cache.keys + cache.values)
 
 
 class LlamaDrafter:
-    """A `Proposer`: greedy chains of a small llama, batched over every asking stream, evaluated once a call."""
+    """A `Drafter`: greedy chains of a small llama, batched over every asking stream, evaluated once a call."""
 
     name = "llama"
 
     def __init__(self, model: Model, *, vocab_limit: int, eos_ids: frozenset[int], options: DrafterOptions,
-                 ledger=None, source: str = ""):
+                 source: str = ""):
         self.model = model
         self.vocab_limit = min(vocab_limit, model.vocab_size)  # padded drafter rows are never valid target ids
         self.eos_ids = eos_ids
         self.max_depth = options.max_depth
         self.max_kept = options.max_kept
-        self.ledger = ledger  # the memory ledger (a later issue) is charged where slots are made, grown and freed
         self.source = source
         self.slots: dict[int, Slot] = {}  # live streams' slots
         self.kept: list[Slot] = []  # released slots, oldest first, adopted by a stream sharing their prefix
         self.stats = dict(proposals=0, forwards=0, rows=0, slot_reuses=0)
 
-    # -- the ledger's view (its charging comes in a later issue; these are the numbers it will read) --
+    # -- what the ledger reads: a slot is sized at admission and never grows while its stream decodes --
+
+    def slot_capacity(self, tokens: int) -> int:
+        """Tokens a slot is made for, for a stream of at most `tokens`: its chain's drafts fit too, and capacities
+        come in the cache's steps so a kept slot often fits a later stream as it is."""
+        return -(-(tokens + self.max_depth) // GROW_STEP) * GROW_STEP
 
     def slot_bytes(self) -> int:
         """Bytes the live streams' slots hold."""
-        return sum(self.model.cache_bytes(s.cache.capacity) for s in self.slots.values())
+        return sum(_nbytes(s.cache) for s in self.slots.values())
 
     def slot_bytes_for(self, tokens: int) -> int:
-        """Bytes one stream's slot holds at most for a stream of `tokens` (the ledger reserves this at admission)."""
-        return self.model.cache_bytes(_round_up(tokens + self.max_depth))
+        """Bytes one stream's slot holds for a stream of at most `tokens` (the ledger reserves this at admission)."""
+        return self.model.cache_bytes(self.slot_capacity(tokens))
 
     def kept_bytes(self) -> int:
         """Bytes the kept (released) slots hold: they give way first when room is needed."""
-        return sum(self.model.cache_bytes(s.cache.capacity) for s in self.kept)
+        return sum(_nbytes(s.cache) for s in self.kept)
 
     def shed_kept(self, wanted_bytes: int | None = None) -> int:
         """Free kept slots, oldest first, until `wanted_bytes` are freed (all of them for None); return bytes freed."""
         freed = 0
         while self.kept and (wanted_bytes is None or freed < wanted_bytes):
-            freed += self.model.cache_bytes(self.kept.pop(0).cache.capacity)
+            freed += _nbytes(self.kept.pop(0).cache)
         if freed:
             mx.clear_cache()
         return freed
@@ -329,12 +218,11 @@ class LlamaDrafter:
             depth = min(int(ask.depth), self.max_depth)
             if depth <= 0 or not tokens:
                 continue
-            slot = self._slot(ask.stream_id, tokens)
+            slot = self._slot(ask.stream_id, tokens, ask.limit)
             rows = slot.feed(tokens, ask.catch_up)
             # ids the drafter cannot embed get no drafts rather than an error; only rows not yet fed need checking
             if min(rows) < 0 or max(rows) >= self.model.vocab_size:
                 continue
-            self._reserve(slot, len(slot.tokens) + len(rows) + depth - 1)
             out.append((i, slot, rows, depth))
         return out
 
@@ -366,35 +254,41 @@ class LlamaDrafter:
         self.stats["forwards"] += 1
         self.stats["rows"] += rows
 
-    def _slot(self, stream_id: int, tokens: list[int]) -> Slot:
-        """The stream's slot; for a new stream, the kept slot sharing the longest prefix, else a fresh one."""
+    def _slot(self, stream_id: int, tokens: list[int], limit: int) -> Slot:
+        """The stream's slot; for a new stream one of the size priced at admission, holding the longest prefix a
+        kept slot shares with the context."""
         slot = self.slots.get(stream_id)
         if slot is not None:
             return slot
+        capacity = self.slot_capacity(max(limit, len(tokens)))
         best, shared = None, 0
         for kept in self.kept:  # oldest first, so ">=" prefers the newest of equal prefixes
-            n = _common_prefix(kept.tokens[:kept.whole], tokens)
+            n = common_prefix(kept.tokens[:kept.whole], tokens)
             if n and n >= shared:
                 best, shared = kept, n
-        if best is not None:
+        if best is None:
+            slot = Slot(self.model.new_cache(capacity))
+        else:
             self.kept.remove(best)
             self.stats["slot_reuses"] += 1
-            slot = best
-            slot.trim(shared)  # only its uncut prefix stands for this context
-            slot.skipped = slot.cut = 0
-        else:
-            slot = Slot(self.model.new_cache(_round_up(len(tokens) + self.max_depth)))
+            best.trim(shared)  # only its uncut prefix stands for this context
+            best.skipped = best.cut = 0
+            slot = best if best.cache.capacity == capacity else self._resized(best, capacity)
         self.slots[stream_id] = slot
         return slot
 
-    def _reserve(self, slot: Slot, tokens: int) -> None:
-        """Grow a slot to hold `tokens`; the ledger will price this growth (and its copy) here."""
-        cache = slot.cache
-        if tokens <= cache.capacity:
-            return
-        capacity = _round_up(tokens + self.max_depth)
-        cache.reserve(capacity + WINDOW_SLACK - cache.offset)
-        cache.capacity = capacity
+    def _resized(self, kept: Slot, capacity: int) -> Slot:
+        """A kept slot's tokens in a cache of the admitted size: the old one goes once copied (while both live,
+        the ledger holds the kept slot and the stream's reservation alike)."""
+        cache, n = self.model.new_cache(capacity), kept.cache.offset
+        for layer in range(len(cache.keys)):
+            cache.keys[layer][..., :n, :] = kept.cache.keys[layer][..., :n, :]
+            cache.values[layer][..., :n, :] = kept.cache.values[layer][..., :n, :]
+        cache.offset = n
+        mx.eval(cache.keys, cache.values)
+        slot = Slot(cache)
+        slot.tokens, slot.whole = kept.tokens, kept.whole
+        return slot
 
     # -- start and stop --
 
@@ -413,13 +307,12 @@ class LlamaDrafter:
         mx.clear_cache()
 
 
-def start(target_model, drafter_ckpt: Checkpoint, options=None, ledger=None) -> LlamaDrafter:
+def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions = DrafterOptions()) -> LlamaDrafter:
     """Load the drafter through the llama loader and warm it up; a failed warm-up frees it and raises DrafterError."""
-    opts = DrafterOptions.of(options)
     name = drafter_ckpt.path.name
-    eos_ids = opts.eos_ids if opts.eos_ids is not None else frozenset(drafter_ckpt.tokenizer().eos_ids)
-    model = load(drafter_ckpt, LoadOptions(dtype=opts.dtype))
-    drafter = LlamaDrafter(model, vocab_limit=target_model.vocab_size, eos_ids=eos_ids, options=opts, ledger=ledger,
+    eos_ids = options.eos_ids if options.eos_ids is not None else frozenset(drafter_ckpt.tokenizer().eos_ids)
+    model = load(drafter_ckpt, LoadOptions(dtype=options.dtype))
+    drafter = LlamaDrafter(model, vocab_limit=target.vocab_size, eos_ids=eos_ids, options=options,
                            source=str(drafter_ckpt.path))
     del model  # the drafter owns the weights from here: freeing it frees them
     try:

@@ -7,7 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from tensorfold_core.checkpoint import Checkpoint, load_model, resolve_model
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.loading import load_model, resolve_model
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.specs import ShippedModel

@@ -16,16 +16,18 @@ from tensorfold_core.errors import DrafterError, OptionError
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.protocols import DraftAsk
-from tensorfold_core.specs import LoadOptions
+from tensorfold_core.loading import check_same_tokenizer
+from tensorfold_core.specs import DrafterOptions, LoadOptions
 from tensorfold_core.testing import PROMPT, copy_checkpoint, write_tokenizer
 from tensorfold_llama import drafter as drafter_module
 from tensorfold_llama import plugin
-from tensorfold_llama.drafter import DrafterOptions, LlamaDrafter, admit, start, tokenizer_difference
+from tensorfold_core.tokenizer import tokenizer_difference
+from tensorfold_llama.drafter import LlamaDrafter, admit, start
 from tensorfold_llama.load import load
 from tensorfold_llama.model import Model
 
 TARGET_VOCAB, DRAFTER_VOCAB = 384, 448
-NO_EOS = {"eos_ids": []}  # random weights say eos often enough to shorten chains the tests compare
+NO_EOS = DrafterOptions(eos_ids=[])  # random weights say eos often enough to shorten chains the tests compare
 
 
 def contexts(n: int, seed: int = 0) -> list[list[int]]:
@@ -148,21 +150,21 @@ def test_a_chain_stops_at_an_eos_of_the_targets_tokenizer(target, drafter_dir):
     context, full = min(((c, serial(model, c, 15)) for c in contexts(20)), key=lambda cs: first_new(cs[1]))
     stop = first_new(full)
     assert stop < 14  # the chain goes on past the eos unless it stops there
-    drafter = start(target, ckpt, {"eos_ids": [full[stop]]})
+    drafter = start(target, ckpt, DrafterOptions(eos_ids=[full[stop]]))
     assert drafter.propose([DraftAsk(0, context, 15)]) == [full[:stop + 1]]
 
 
 def test_a_chain_is_at_most_fifteen_deep(target, drafter_dir):
     drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS)
     assert [len(d) for d in drafter.propose([DraftAsk(0, PROMPT, 40), DraftAsk(1, PROMPT[:3], 15)])] == [15, 15]
-    assert len(start(target, Checkpoint.open(drafter_dir), {**NO_EOS, "max_depth": 4}).propose(
+    assert len(start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(max_depth=4)).propose(
         [DraftAsk(0, PROMPT, 15)])[0]) == 4
     with pytest.raises(OptionError, match="max_depth 16"):
-        DrafterOptions.of({"max_depth": 16})
+        DrafterOptions(max_depth=16)
 
 
 def test_a_released_slot_is_adopted_by_a_new_stream_sharing_its_prefix(target, drafter_dir):
-    drafter = start(target, Checkpoint.open(drafter_dir), {**NO_EOS, "max_kept": 2})
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(max_kept=2))
     (drafts,) = drafter.propose([DraftAsk(1, PROMPT, 5)])
     drafter.release(1)
     assert drafter.kept_bytes() > 0 and drafter.slot_bytes() == 0
@@ -176,7 +178,7 @@ def test_a_released_slot_is_adopted_by_a_new_stream_sharing_its_prefix(target, d
 
 
 def test_kept_slots_are_capped_and_the_oldest_give_way_first(target, drafter_dir):
-    drafter = start(target, Checkpoint.open(drafter_dir), {**NO_EOS, "max_kept": 2})
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(max_kept=2))
     firsts = [[11], [12], [13]]
     for i, context in enumerate(firsts):
         drafter.propose([DraftAsk(i, context + [1, 2], 2)])
@@ -186,17 +188,28 @@ def test_kept_slots_are_capped_and_the_oldest_give_way_first(target, drafter_dir
     assert drafter.shed_kept(1) > 0 and [slot.tokens[0] for slot in drafter.kept] == [13]
     drafter.propose([DraftAsk(9, [11, 1, 2, 3], 2)])  # the oldest is gone: no reuse
     assert drafter.stats["slot_reuses"] == 0
-    assert DrafterOptions.of(ServeOptions(parallel=3)).max_kept == 3
+    assert DrafterOptions.serving(ServeOptions(parallel=3)).max_kept == 3
 
 
-def test_a_slot_grows_past_its_first_capacity_and_stays_exact(target, drafter_dir):
+def test_a_slot_is_made_at_its_admitted_size_and_never_grows_while_its_stream_decodes(target, drafter_dir):
     drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS)
-    context = (PROMPT * 20)[:250]
-    drafter.propose([DraftAsk(0, context[:20], 3)])
-    first = drafter.slots[0].cache.capacity
-    assert drafter.propose([DraftAsk(0, context, 15)]) == [serial(drafter.model, context, 15)]
+    context, limit = (PROMPT * 20)[:250], 270
+    drafter.propose([DraftAsk(0, context[:20], 3, limit=limit)])
     cache = drafter.slots[0].cache
-    assert cache.capacity > first and drafter.slot_bytes() == sum(a.nbytes for a in cache.keys + cache.values)
+    shapes = [a.shape for a in cache.keys + cache.values]
+    assert drafter.slot_bytes() == drafter.slot_bytes_for(limit)
+    assert drafter.propose([DraftAsk(0, context, 15, limit=limit)]) == [serial(drafter.model, context, 15)]
+    assert drafter.slots[0].cache is cache and [a.shape for a in cache.keys + cache.values] == shapes
+    assert drafter.slot_bytes() == drafter.slot_bytes_for(limit) == sum(a.nbytes for a in cache.keys + cache.values)
+
+
+def test_a_kept_slot_of_another_size_is_copied_into_one_of_the_new_streams_size(target, drafter_dir):
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(max_kept=2))
+    (drafts,) = drafter.propose([DraftAsk(1, PROMPT, 5, limit=len(PROMPT) + 8)])
+    drafter.release(1)
+    follow_up, limit = PROMPT + drafts[:3] + [42, 43], 700
+    assert drafter.propose([DraftAsk(2, follow_up, 5, limit=limit)]) == [serial(drafter.model, follow_up, 5)]
+    assert drafter.stats["slot_reuses"] == 1 and drafter.slot_bytes() == drafter.slot_bytes_for(limit)
 
 
 def test_a_padded_drafter_vocab_never_yields_an_id_past_the_targets_vocab(target, drafter_dir, tmp_path):
@@ -239,7 +252,7 @@ def test_a_drafter_retrained_with_another_vocab_is_refused_naming_the_first_toke
     target_tokenizer = Checkpoint.open(checkpoints("gqa-tied")).tokenizer()
     with pytest.raises(DrafterError, match=r"edited does not share the target's tokenizer: token id 300: "
                                            r"target '.+' vs drafter no token"):
-        admit(target_tokenizer, target, Checkpoint.open(path))
+        check_same_tokenizer(target_tokenizer, Checkpoint.open(path))
 
 
 @pytest.mark.parametrize("file, change, message", [
@@ -257,34 +270,34 @@ def test_a_drafter_whose_tokenizer_differs_is_refused_naming_the_first_differenc
     _, edit = edited
     target_tokenizer = Checkpoint.open(checkpoints("gqa-tied")).tokenizer()
     with pytest.raises(DrafterError, match=message):
-        admit(target_tokenizer, target, edit(file, change))
+        check_same_tokenizer(target_tokenizer, edit(file, change))
 
 
 def test_a_drafter_with_the_targets_tokenizer_and_padded_vocab_is_admitted(target, checkpoints, drafter_dir):
     tokenizer = Checkpoint.open(checkpoints("gqa-tied")).tokenizer()
     assert tokenizer_difference(tokenizer.fingerprint(), Checkpoint.open(drafter_dir).tokenizer().fingerprint()) is None
-    admit(tokenizer, target, Checkpoint.open(drafter_dir))
+    check_same_tokenizer(tokenizer, Checkpoint.open(drafter_dir))
+    admit(target, Checkpoint.open(drafter_dir))
 
 
-def test_drafter_bits_that_do_not_match_the_checkpoint_are_refused(target, checkpoints, drafter_dir, drafter_4bit_dir):
-    tokenizer = Checkpoint.open(checkpoints("gqa-tied")).tokenizer()
+def test_drafter_bits_that_do_not_match_the_checkpoint_are_refused(target, drafter_dir, drafter_4bit_dir):
     dense, packed = Checkpoint.open(drafter_dir), Checkpoint.open(drafter_4bit_dir)
     for ckpt, bits in ((dense, 0), (dense, None), (packed, 4), (packed, None)):
-        admit(tokenizer, target, ckpt, bits)
+        admit(target, ckpt, bits)
     with pytest.raises(DrafterError, match="--drafter-bits 4: drafter-448 holds float32 weights; pass "
                                            "--drafter-bits 0 or a 4-bit checkpoint"):
-        admit(tokenizer, target, dense, 4)
+        admit(target, dense, 4)
     with pytest.raises(DrafterError, match="--drafter-bits 0: drafter-448-q4g64 holds 4-bit weights; pass "
                                            "--drafter-bits 4 or a float checkpoint"):
-        admit(tokenizer, target, packed, 0)
+        admit(target, packed, 0)
     with pytest.raises(DrafterError, match="--drafter-bits 8: drafter-448-q4g64 holds 4-bit weights"):
-        admit(tokenizer, target, packed, 8)
+        admit(target, packed, 8)
     with pytest.raises(DrafterError, match="--drafter-bits 3: expected 0"):
-        admit(tokenizer, target, packed, 3)
+        admit(target, packed, 3)
 
 
 def test_a_bfloat16_drafter_runs_in_bfloat16_and_stays_exact(target, drafter_dir):
-    drafter = start(target, Checkpoint.open(drafter_dir), {**NO_EOS, "dtype": "bfloat16"})
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(dtype="bfloat16"))
     assert drafter.model.dtype == mx.bfloat16
     reference = load(Checkpoint.open(drafter_dir), LoadOptions(dtype="bfloat16"))
     assert drafter.propose([DraftAsk(0, PROMPT, 10)]) == [serial(reference, PROMPT, 10)]
@@ -354,7 +367,7 @@ def test_a_bounded_catch_up_drafts_from_the_last_rows_of_the_context(target, dra
 
 
 def test_a_kept_slot_with_a_cut_shares_only_its_uncut_prefix(target, drafter_dir):
-    drafter = start(target, Checkpoint.open(drafter_dir), {**NO_EOS, "max_kept": 2})
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(max_kept=2))
     drafter.propose([DraftAsk(1, PROMPT, 3)])
     later = PROMPT + [(5 * i) % TARGET_VOCAB for i in range(40)]
     drafter.propose([DraftAsk(1, later, 3, catch_up=4)])

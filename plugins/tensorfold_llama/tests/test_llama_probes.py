@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tensorfold_core.checkpoint import Checkpoint
-from tensorfold_core.lanes.engine import MAX_DEPTH
 from tensorfold_core.lanes.guards import FIRST_GAP, PROBE_CATCH_UP
+from tensorfold_core.protocols import MAX_DRAFT_DEPTH
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.sampling import SamplingParams
+from tensorfold_core.specs import DrafterOptions
 from tensorfold_core.testing import PROMPT, Run, serial, solo
 from tensorfold_llama.drafter import start
 from tensorfold_llama.load import load
@@ -24,7 +25,7 @@ def pair(checkpoints):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
 def test_a_probe_after_a_stand_aside_feeds_the_drafter_a_bounded_tail_and_the_reply_stays_exact(pair, sampling):
     target, drafter_ckpt = pair
-    drafter = start(target, drafter_ckpt, {"eos_ids": []})
+    drafter = start(target, drafter_ckpt, DrafterOptions(eos_ids=[]))
     request = GenerationRequest(prompt_ids=PROMPT * 3, max_tokens=FIRST_GAP + 40, sampling=sampling)
     run = Run(target, parallel=1, chunk=64)
     run.engine.drafter, run.engine.copy_drafts = drafter, False  # copy drafts would stand in for the probes
@@ -37,5 +38,5 @@ def test_a_probe_after_a_stand_aside_feeds_the_drafter_a_bounded_tail_and_the_re
     first = next(i for i, rows in enumerate(fed) if rows)  # the first drafted round reads the whole prompt
     assert fed[first] >= len(request.prompt_ids)
     probes = [rows for rows in fed[first + FIRST_GAP:] if rows]
-    assert probes and max(probes) <= PROBE_CATCH_UP + MAX_DEPTH  # not the 64 tokens it stood aside for
+    assert probes and max(probes) <= PROBE_CATCH_UP + MAX_DRAFT_DEPTH  # not the 64 tokens it stood aside for
     assert run.tokens(0) == solo(target, serial(request))
