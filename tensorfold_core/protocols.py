@@ -39,8 +39,9 @@ class Model(Protocol):
 
     def forward_ids(self, caches: Sequence[Cache], ids: mx.array, lengths: Sequence[int],
                     logit_rows: Sequence[int], commit: bool = False) -> mx.array:
-        """`forward` on ids already packed in an mx.array (a drafter's lazy argmaxes stay on the device);
-        `commit` keeps every row at once (no `keep`, no eval): the public forward a drafter may call."""
+        """`forward` on `sum(lengths)` ids already packed in an mx.array (a drafter's lazy argmaxes stay on the
+        device), unchecked against the vocabulary (the caller keeps them below `vocab_size`); `commit` keeps every
+        row at once (no `keep`, no eval). A refused call changes no cache. The public forward a drafter may call."""
 
     def keep(self, cache: Cache, rows: int) -> None:
         """Commit the first `rows` rows of the last window run on `cache` and drop the rest."""
