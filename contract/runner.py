@@ -15,8 +15,8 @@ from .registry import Registered, discover
 from .report import Report
 from .steps import new_result, run_record
 
-# Isolated records run this many at a time by default: each child is a process of its own, and most of a
-# record's time is host work (references, compiles) that a GPU machine has the cores for (docs/kernel-contract.md)
+# Isolated records run this many at a time by default: on the H200 most of the time is MLX compiling its own
+# kernels on the host, one record at a time, and the machine has the cores (docs/kernel-contract.md)
 JOBS = 4
 
 

@@ -1,37 +1,45 @@
 #!/usr/bin/env bash
 # Stage a run on the remote H200 (the device tool's `run`): MLX's CUDA wheel in two halves, and the shipped weights
-# left out of the upload while the halves travel, so that each call stays under its 64 MiB. docs/gpu.md says why.
+# kept out of the upload while the halves travel, so that each call stays under its 64 MiB. docs/gpu.md says why.
 # Usage, from anywhere in the checkout:
-#   tools/device/stage.sh light   fetch the halves into .mlxa/ and .mlxb/ if missing, leave the weights out of the
+#   tools/device/stage.sh light   fetch the halves into .mlxa/ and .mlxb/ if missing, take the weights out of the
 #                                 upload, and print the run calls to make
-#   tools/device/stage.sh full    put the weights back into the upload (after the MLX calls, or when done)
+#   tools/device/stage.sh full    put the weights back (at once after the MLX calls: see below)
 #   tools/device/stage.sh sizes   what each call would upload now, in MiB
-# The weights are left out through .git/info/exclude, between two marker lines that `full` removes; git keeps
-# tracking them, so nothing in the repository changes. MLX_FETCH names fetch-mlx-cuda.sh if it is not beside
-# the checkout in ../shared/device/.
+# The device tool uploads every file git tracks, ignore rules or not, so `light` takes the weights out of git's
+# index (the files stay on disk; the entries are saved in .git/) and ignores them through .git/info/exclude;
+# `full` puts the saved entries back exactly. Until then `git status` shows the weights as deleted: run `full`
+# right after the calls that carry MLX. MLX_FETCH names fetch-mlx-cuda.sh if not in ../shared/device/.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 exclude=.git/info/exclude
-begin="# tensorfold stage.sh: weights left out of the device upload (tools/device/stage.sh full puts them back)"
+saved=.git/tensorfold-stage-weights.index
+begin="# tensorfold stage.sh: weights kept out of the device upload (tools/device/stage.sh full puts them back)"
 end="# tensorfold stage.sh: end"
 limit=$((64 * 1024 * 1024))
 
-weights() {  # the shipped model folders, as exclude patterns anchored at the root
-  git ls-files 'plugins/*/tensorfold_*/models/*' | cut -d/ -f1-4 | sort -u | sed 's|^|/|; s|$|/|'
+weights() {  # the shipped model folders
+  { git ls-files 'plugins/*/tensorfold_*/models/*'; [ -f "$saved" ] && cut -f2 "$saved"; } | cut -d/ -f1-4 | sort -u
+}
+
+git_index() {  # git "$@" on the index, waiting out another engineer's commit (its index.lock)
+  local tries=0
+  while [ -e .git/index.lock ] && [ $tries -lt 30 ]; do sleep 1; tries=$((tries + 1)); done
+  git "$@"
 }
 
 unstage() {
+  if [ -f "$saved" ]; then
+    git_index update-index --index-info < "$saved" && rm -f "$saved"
+  fi
   [ -f "$exclude" ] || return 0
   sed -i "/^$(printf '%s' "$begin" | sed 's/[][\/.*^$]/\\&/g')\$/,/^$(printf '%s' "$end" | sed 's/[][\/.*^$]/\\&/g')\$/d" "$exclude"
 }
 
-bytes_of_tree() {  # tracked and untracked-not-ignored files, less the weights while they are staged out
+bytes_of_tree() {  # what the device tool uploads: tracked and untracked-not-ignored files
   local files
   files=$(git ls-files -co --exclude-standard)
-  if grep -qxF "$begin" "$exclude" 2>/dev/null; then
-    files=$(printf '%s\n' "$files" | grep -v -F -f <(weights | sed 's|^/||') || true)
-  fi
   printf '%s\n' "$files" | tr '\n' '\0' | xargs -0 stat -c %s 2>/dev/null | awk '{n += $1} END {print n + 0}'
 }
 
@@ -57,20 +65,24 @@ case "${1:-}" in
       bash "$fetch" > /dev/null
     fi
     for d in /.mlxa/ /.mlxb/; do grep -qxF "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
-    unstage
-    { echo "$begin"; weights; echo "$end"; } >> "$exclude"
-    commit=$(git rev-parse --short HEAD)$([ -n "$(git status --porcelain --untracked-files=no)" ] && echo +dirty)
-    echo "Staged: MLX $(cat .mlxb/VERSION) in .mlxa/ and .mlxb/; the weights are left out of the upload."
+    commit=$(git rev-parse --short HEAD)$([ -f "$saved" ] || [ -z "$(git status --porcelain -uno)" ] || echo +dirty)
+    if [ ! -f "$saved" ]; then
+      mapfile -t dirs < <(weights)
+      git ls-files -s -- "${dirs[@]}" > "$saved"
+      { echo "$begin"; printf '/%s/\n' "${dirs[@]}"; echo "$end"; } >> "$exclude"
+      git_index rm -r -q --cached -- "${dirs[@]}"
+    fi
+    echo "Staged: MLX $(cat .mlxb/VERSION) in .mlxa/ and .mlxb/; the weights are out of the upload (and of git's index)."
     sizes
     cat <<MSG
 
-Make these two run calls back to back (the machine goes back 30 s after a call, taking the first half with it):
+Then, back to back (the machine goes back 30 s after a call, and the first half of MLX with it):
   1. run(kind="nvidia-h200", carry=[".mlxa"], timeout_s=120,
          command="mkdir -p /root/mlxw && cp .mlxa/part.aa /root/mlxw/ && nvidia-smi -L")
-  2. run(carry=[".mlxb"], timeout_s=600,
-         command="bash .mlxb/install.sh && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TF_COMMIT=$commit && bash contract/receipts/run_on_h200.sh contract")
-Later calls on the same warm machine start with: export PYTHONPATH=/tmp/site (MLX stays in /tmp/site).
-A step that needs the weights: run tools/device/stage.sh full here first, then make the call (no carry).
+  2. run(carry=[".mlxb"], timeout_s=120, command="bash .mlxb/install.sh && echo MLX installed")
+  3. here: tools/device/stage.sh full     (the weights are back in git's index and in the upload)
+  4. run(timeout_s=600, command="export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TF_COMMIT=$commit && bash contract/receipts/run_on_h200.sh contract")
+Each later call on the same warm machine starts with export PYTHONPATH=/tmp/site (MLX stays in /tmp/site).
 MSG
     ;;
   full)
@@ -82,7 +94,7 @@ MSG
     sizes
     ;;
   *)
-    sed -n '2,12p' "$0" >&2
+    sed -n '2,13p' "$0" >&2
     exit 2
     ;;
 esac
