@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from . import __version__
 from .backend import device_info
+from .kernels import describe
 from .options import ServeOptions
 from .plugins import Registry, registry as default_registry
 
@@ -24,7 +25,8 @@ def capabilities(options: ServeOptions, extra: dict | None = None, registry: Reg
     return {
         "version": __version__,
         **device_info(),
-        "families": [{"name": f.name, "model_types": list(f.model_types)} for f in reg.families()],
+        "families": [{"name": f.name, "model_types": list(f.model_types),
+                      **({"kernels": describe(f.kernels)} if f.kernels else {})} for f in reg.families()],
         "drafters": [d.name for d in reg.drafters()],
         "models": [{"name": m.name, "role": m.role, "default": m.default} for m in reg.models()],
         "plugins": reg.roll_call(),

@@ -78,5 +78,6 @@ def check_run(model: str, prompt: str, *, max_tokens: int = 64, chat: bool = Fal
         "rounds": rounds,
         "decode_tokens_per_s": round(1000 * (len(token_ids) - 1) / decode_ms, 2) if decode_ms else None,
         "row_invariance": target.probe,
+        "kernels": target.model.kernels,
         **result,
     }

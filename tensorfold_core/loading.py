@@ -10,6 +10,7 @@ from typing import Callable
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, DrafterError, PluginError
+from .kernels import backend
 from .options import DEFAULT_CONTEXT_CAP, ServeOptions
 from .plugins import Registry, registry as default_registry
 from .protocols import Drafter, Model
@@ -203,6 +204,7 @@ def load_host(model: str | None, options: ServeOptions, progress: Progress = lam
         drafter = start_drafter(draft_name, target.model, target.tokenizer, DrafterOptions.serving(options))
     model_id = options.model_name or target.name
     info = {"model": model_id, "row_invariance": target.probe, "checkpoint": str(target.checkpoint.path),
-            "model_type": target.checkpoint.model_type, "drafter": draft_name if drafter is not None else None}
+            "model_type": target.checkpoint.model_type, "drafter": draft_name if drafter is not None else None,
+            "kernels": {"backend": backend(), "serving": target.model.kernels}}
     return Host(target.model, target.tokenizer, options, model_id=model_id, context=target.context(options.context),
                 capabilities=capabilities(options, extra=info), drafter=drafter, timed=timed)

@@ -22,6 +22,7 @@ class Model(Protocol):
     model_type: str
     vocab_size: int  # rows of the logits (the config's, padding included)
     dtype: mx.Dtype
+    kernels: dict  # what serves each row-path op on this backend: "mlx" (built-in) or "RECORD (kind)"
 
     def new_cache(self, capacity: int, marks: int = 0) -> Cache:
         """A cache that can hold `capacity` committed tokens plus one window; a family whose state cannot be

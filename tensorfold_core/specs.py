@@ -34,6 +34,8 @@ class Family:
     description: str = ""
     # which configs of this family draft only (refused when served alone), beyond the config's own marker
     drafter_only: Callable[[dict], bool] = lambda config: False
+    # which implementation backs each row-path op on each backend (tensorfold_core.kernels): op -> backend -> impl
+    kernels: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

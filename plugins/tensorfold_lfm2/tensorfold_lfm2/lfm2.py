@@ -184,6 +184,7 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.vocab_size = args.vocab_size
         self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
+        self.kernels: dict = {}  # what serves each row-path op here (the loader fills it from its table)
         self.model = Lfm2Model(args, [self.feed_forward(i) for i in range(args.num_hidden_layers)])
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)

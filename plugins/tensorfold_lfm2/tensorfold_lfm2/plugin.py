@@ -7,6 +7,8 @@ from pathlib import Path
 from tensorfold_core import hookimpl
 from tensorfold_core.specs import Family, ShippedModel
 
+from .ops import OPS
+
 MODELS = Path(__file__).parent / "models"
 
 
@@ -19,9 +21,9 @@ def _load(ckpt, options):
 @hookimpl
 def tensorfold_families():
     return [
-        Family(name="lfm2", model_types=("lfm2",), load=_load,
+        Family(name="lfm2", model_types=("lfm2",), load=_load, kernels=OPS,
                description="LFM2: short-conv and attention hybrids, dense or MLX affine-quantized"),
-        Family(name="lfm2_moe", model_types=("lfm2_moe",), load=_load,
+        Family(name="lfm2_moe", model_types=("lfm2_moe",), load=_load, kernels=OPS,
                description="LFM2-MoE: LFM2 with sigmoid-routed experts, dense or MLX affine-quantized"),
     ]
 

@@ -8,6 +8,7 @@ from tensorfold_core.specs import LoadOptions
 from tensorfold_core.weights import fill
 
 from .model import Model, ModelArgs
+from .serving import serve_kernels
 
 FLAGS = "attention_bias, mlp_bias, tie_word_embeddings, quantization"  # config keys that decide which tensors are read
 
@@ -21,4 +22,5 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> Model:
     model = Model(args)
     fill(model, model.sanitize(weights), ckpt, options.dtype, family="llama", flags=FLAGS)
     model.dtype = activation_dtype(model.model.embed_tokens)
+    model.kernels = serve_kernels(model)
     return model

@@ -158,6 +158,8 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.vocab_size = args.vocab_size
         self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
+        self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
+        self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -202,7 +204,8 @@ class Model(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, spans, i)
         close_windows(spans, commit)
-        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
+        head = self.served_head or (self.model.embed_tokens.as_linear if self.args.tie_word_embeddings
+                                    else self.lm_head)
         return picked_logits(h, pick, self.model.norm, head, self.vocab_size)
 
     def keep(self, cache: KVCache, rows: int) -> None:

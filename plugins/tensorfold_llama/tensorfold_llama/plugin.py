@@ -7,6 +7,8 @@ from pathlib import Path
 from tensorfold_core import hookimpl
 from tensorfold_core.specs import DrafterKind, Family, ShippedModel
 
+from .ops import OPS
+
 MODELS = Path(__file__).parent / "models"
 
 
@@ -18,7 +20,7 @@ def _load(ckpt, options):
 
 @hookimpl
 def tensorfold_families():
-    return [Family(name="llama", model_types=("llama", "mistral"), load=_load,
+    return [Family(name="llama", model_types=("llama", "mistral"), load=_load, kernels=OPS,
                    description="Llama 1/2/3 and Mistral-style decoders, dense or MLX affine-quantized")]
 
 

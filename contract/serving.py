@@ -1,0 +1,62 @@
+"""A record's implementation called on live arrays by a serving forward: the same code the gates prove, no fill."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from .record import Source
+
+_KERNELS: dict = {}  # (kind, source name, body hash, dynamic shared bytes) -> the built mx.fast kernel
+
+
+class ServedCall:
+    """One call's inputs as a record's implementations read them: `rows`, `dims`, `array(name)`, `case[name]`."""
+
+    def __init__(self, rows: int, dims: Mapping[str, Any], arrays: Mapping[str, Any]):
+        self.rows, self._dims, self._arrays = rows, dims, dict(arrays)
+
+    @property
+    def dims(self) -> Mapping[str, Any]:
+        return self._dims
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self._arrays[name])
+
+    def array(self, name: str, dtype=None):
+        """The input as an mx.array, cast to `dtype` when given (a no-op when it already is)."""
+        import mlx.core as mx
+
+        value = self._arrays[name]
+        value = value if isinstance(value, mx.array) else mx.array(value)
+        return value if dtype is None or value.dtype == dtype else value.astype(dtype)
+
+
+def _kernel(kind: str, source: Source, dynamic_shared: int):
+    import mlx.core as mx
+
+    key = (kind, source.name, hash(source.body), hash(source.header), dynamic_shared)
+    if key not in _KERNELS:
+        common = dict(name=f"tf_{kind}_{source.name}", input_names=list(source.input_names),
+                      output_names=list(source.output_names), source=source.body, header=source.header)
+        _KERNELS[key] = (mx.fast.cuda_kernel(**common, shared_memory=dynamic_shared) if kind == "cuda"
+                         else mx.fast.metal_kernel(**common))
+    return _KERNELS[key]
+
+
+def call(kind: str, implementation, served: ServedCall) -> dict:
+    """Run one implementation of a record on a served call (lazily, as any MLX op): its outputs by name."""
+    import mlx.core as mx
+
+    if not isinstance(implementation, Source):
+        return implementation(served)
+    launch = implementation.launch(served)
+    if 0 in launch.grid:
+        outs = [mx.zeros(shape, dtype) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)]
+    else:
+        kernel = _kernel(kind, implementation, launch.dynamic_shared)
+        outs = kernel(inputs=implementation.inputs(served), template=list(launch.template), grid=launch.grid,
+                      threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
+                      output_dtypes=list(launch.output_dtypes))
+    return implementation.outputs(list(outs), served)

@@ -1,0 +1,15 @@
+"""The llama family's op table: which implementation backs each row-path op on each backend."""
+
+from tensorfold_core.kernels import BUILTIN
+
+# Which implementation backs each row-path op on each backend: MLX's built-in, or a kernel record (its cuda or
+# metal implementation there; the contract proves exactly these). Elementwise ops, the embedding gather and rope
+# at absolute offsets are row-wise on every backend and stay built-in; the draw runs on the host in float64.
+OPS = {
+    "projection bf16": {"cpu": BUILTIN, "cuda": "llama gemv bf16", "metal": "llama gemv bf16"},
+    "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": BUILTIN},
+    "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": BUILTIN},
+    "rms_norm": {"cpu": BUILTIN, "cuda": "llama rmsnorm", "metal": "llama rmsnorm"},
+    # MLX's fast SDPA is not row-invariant on CUDA: a fixed-split window-attention record is to back it there
+    "attention": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": BUILTIN},
+}

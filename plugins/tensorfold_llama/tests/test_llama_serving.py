@@ -1,0 +1,68 @@
+"""The llama family's op table: built-ins on the CPU, its kernel records where the table names them, same tokens."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+import pytest
+
+from tensorfold_core.capabilities import capabilities
+from tensorfold_core.kernels import BUILTIN, KERNELS_ENV, RECORDS_KIND, describe, served
+from tensorfold_core.lanes.types import GenerationRequest
+from tensorfold_core.loading import load_model
+from tensorfold_core.options import ServeOptions
+from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import solo
+from tensorfold_llama.kernels import records
+from tensorfold_llama.ops import OPS
+from tensorfold_llama.serving import RecordLinear, RecordNorm
+
+PROMPTS = ["import os\nimport", "def main(argv):\n", "class Point:\n    def __init__(self"]
+
+
+def test_every_record_the_table_names_exists_with_the_implementation_its_backend_runs():
+    by_name = {record.name: record for record in records()}
+    for op, choices in OPS.items():
+        assert set(choices) == {"cpu", "cuda", "metal"}, op
+        for backend, name in choices.items():
+            if name != BUILTIN:
+                assert RECORDS_KIND[backend] in by_name[name].implementations, (op, backend, name)
+
+
+def test_the_cpu_serves_every_op_through_mlx_built_ins_and_capabilities_show_the_table():
+    model, _, _ = load_model("tiny-llama")
+    assert model.kernels == {op: BUILTIN for op in OPS}
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear) and model.served_head is None
+    family = next(f for f in capabilities(ServeOptions())["families"] if f["name"] == "llama")
+    assert family["kernels"] == describe(OPS) and family["kernels"]["table"]["projection bf16"]["cuda"] == \
+        "llama gemv bf16"
+
+
+def test_on_cuda_the_table_serves_the_gemv_and_rmsnorm_records():
+    chosen = served(OPS, "cuda")
+    assert chosen["projection bf16"] == "llama gemv bf16" and chosen["rms_norm"] == "llama rmsnorm"
+
+
+@pytest.fixture
+def through_records(monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, "records")
+
+
+def test_served_through_its_records_the_shipped_model_gives_the_same_tokens_as_through_built_ins(through_records,
+                                                                                                  monkeypatch):
+    recorded, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert isinstance(recorded.model.layers[0].mlp.down_proj, RecordLinear)
+    assert isinstance(recorded.model.norm, RecordNorm) and isinstance(recorded.served_head, RecordLinear)
+    assert recorded.kernels["projection bf16"] == "llama gemv bf16 (mlx)"
+    monkeypatch.setenv(KERNELS_ENV, "builtin")
+    builtin, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    for text in PROMPTS:
+        request = GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=16)
+        assert solo(recorded, request) == solo(builtin, request)
+
+
+def test_an_unknown_override_names_the_variable(monkeypatch):
+    from tensorfold_core.errors import OptionError
+
+    monkeypatch.setenv(KERNELS_ENV, "fast")
+    with pytest.raises(OptionError, match=f"{KERNELS_ENV}=fast: expected builtin or records"):
+        served(OPS)

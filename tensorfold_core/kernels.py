@@ -1,0 +1,53 @@
+"""Which implementation backs each of a family's row-path ops on this backend: one table per family, read at load."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from .errors import OptionError
+
+BACKENDS = ("cpu", "cuda", "metal")
+BUILTIN = "mlx"  # MLX's own op: served where the row-invariance probe proves it (the CPU today)
+KERNELS_ENV = "TENSORFOLD_KERNELS"  # "builtin" or "records": override the table (tests, measurements)
+RECORDS_KIND = {"cpu": "mlx", "cuda": "cuda", "metal": "metal"}  # a record's implementation each backend runs
+
+
+def backend() -> str:
+    """The backend this process computes on: cpu, cuda or metal."""
+    import mlx.core as mx  # plugins read their tables without loading MLX
+
+    if mx.default_device().type == mx.cpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
+def served(table: Mapping[str, Mapping[str, str]], on: str | None = None) -> dict[str, str]:
+    """Each op's implementation on backend `on` (default: this one): `mlx` for MLX's built-in, else the name of
+    the kernel record whose implementation for that backend serves it. TENSORFOLD_KERNELS=records serves every op
+    that has a record through it (on the CPU through the record's composed `mlx` implementation), =builtin none."""
+    on = on or backend()
+    override = os.environ.get(KERNELS_ENV, "")
+    if override not in ("", "builtin", "records"):
+        raise OptionError(f"{KERNELS_ENV}={override}: expected builtin or records")
+    out = {}
+    for op, choices in table.items():
+        chosen = choices.get(on, BUILTIN)
+        record = next((name for name in choices.values() if name != BUILTIN), None)
+        if override == "builtin":
+            chosen = BUILTIN
+        elif override == "records" and record is not None:
+            chosen = record
+        out[op] = chosen
+    return out
+
+
+def describe(table: Mapping[str, Mapping[str, str]]) -> dict:
+    """The table as `capabilities --json` shows it: every backend's choice, and what this process serves."""
+    here = backend()
+    return {"backend": here, "serving": {op: _label(name, here) for op, name in served(table).items()},
+            "table": {op: dict(choices) for op, choices in table.items()}}
+
+
+def _label(name: str, on: str) -> str:
+    return name if name == BUILTIN else f"{name} ({RECORDS_KIND[on]})"
