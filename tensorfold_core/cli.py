@@ -136,7 +136,7 @@ def serve(model, **values):
     host = load_host(model, options, progress=progress)
     progress("ready")
     try:
-        run_server(host, options.host, options.port)
+        run_server(host, options.host, options.port, options=options)
     finally:
         host.close()
 

@@ -13,7 +13,7 @@ from typing import Callable
 from .errors import RequestError
 from .lanes.engine import Engine
 from .lanes.stream import Stream
-from .lanes.types import DoneEvent, GenerationRequest, usage
+from .lanes.types import DoneEvent, ErrorEvent, GenerationRequest, usage
 from .memory.admission import Admission
 from .memory.ledger import GIB, Ledger, default_budget
 from .memory.prompt_cache import PromptCache
@@ -77,6 +77,8 @@ class Host:
         self._waiting: deque[Submitted] = deque()
         self._wake = threading.Event()
         self._closed = False
+        self._in_flight = 0  # submitted and not yet ended: decoding or waiting for a slot
+        self._in_flight_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
         if start:
             self._thread.start()
@@ -97,19 +99,36 @@ class Host:
                                f"(0..{self.vocab_size - 1})", param=prompt_param, code="invalid_token_id")
         if request.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
-        self.admission.check(self.limit(request))
+        self.admission.check(n, self.limit(request))
 
     def limit(self, request: GenerationRequest) -> int:
         """Most tokens the stream may hold: prompt + max_tokens, within the context."""
         return min(self.context, len(request.prompt_ids) + request.max_tokens)
 
     def submit(self, request: GenerationRequest, on_event: Callable, prompt_param: str = "prompt") -> Ticket:
-        """Queue a request for the engine thread; one it can never serve raises RequestError here."""
+        """Queue a request for the engine thread; one it can never serve raises RequestError here, and so does
+        one that finds --max-queued requests already waiting (a 429)."""
         self.validate(request, prompt_param)
+        with self._in_flight_lock:
+            if self._in_flight >= self.options.parallel + self.options.max_queued:
+                raise RequestError(f"{self._in_flight - self.options.parallel} requests are already waiting for "
+                                   f"one of {self.options.parallel} stream slots (--max-queued "
+                                   f"{self.options.max_queued}); retry later", status=429,
+                                   kind="rate_limit_error", code="queue_full")
+            self._in_flight += 1
         ticket = Ticket(next(self._ids))
-        self._inbox.put(Submitted(ticket.id, request, on_event))
+        self._inbox.put(Submitted(ticket.id, request, self._counted(on_event)))
         self._wake.set()
         return ticket
+
+    def _counted(self, on_event: Callable) -> Callable:
+        """`on_event`, and the request leaves the in-flight count with its last event."""
+        def counted(event) -> None:
+            if isinstance(event, (DoneEvent, ErrorEvent)):
+                with self._in_flight_lock:
+                    self._in_flight -= 1
+            on_event(event)
+        return counted
 
     def cancel(self, ticket: Ticket) -> None:
         self._inbox.put(Cancelled(ticket.id))

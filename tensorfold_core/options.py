@@ -33,6 +33,26 @@ class ServeOptions(BaseModel):
     prompt_cache_gib: float = Field(1.0, ge=0, description="Most bytes kept prompt states may hold (0 turns "
                                     "the prompt cache off).")
     model_name: str | None = Field(None, description="Name the model is served under in /v1/models.")
+    max_queued: int = Field(64, ge=0, description="Most requests waiting for a stream slot; past it a request is "
+                            "refused at once with a 429 and a Retry-After header.")
+    deadline_s: float | None = Field(None, gt=0, description="Seconds a request may run, queue included; a reply "
+                                     "still running then ends as max_tokens would end it (finish_reason "
+                                     "\"length\"). Default: no deadline.")
+    max_body_mib: float = Field(4.0, gt=0, description="Largest request body in MiB; a larger one is refused with "
+                                "a 413 before it is read.")
+    read_timeout_s: float = Field(10.0, gt=0, description="Seconds a client may take to send a request's headers, "
+                                  "and each piece of its body; a slower connection is closed.")
+    keep_alive_s: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
+    grace_s: float = Field(30.0, ge=0, description="On SIGTERM: seconds running requests may take to finish while "
+                           "new ones get a 503; those still running then end with an error event.")
+    api_key: str | None = Field(None, exclude=True, description="Key every route but /health requires as "
+                                "`Authorization: Bearer KEY` (default: the TENSORFOLD_API_KEY environment variable; "
+                                "neither: no key).")
+    allowed_hosts: str | None = Field(None, description="Comma-separated Host header names the server answers "
+                                      "(against DNS rebinding; '*': any). Default: localhost and the loopback "
+                                      "addresses when bound to loopback, any otherwise.")
+    allowed_origins: str | None = Field(None, description="Comma-separated origins browsers may call the API "
+                                        "from (CORS; '*': any). Default: none, CORS off.")
     plugin_options: dict = Field(default_factory=dict, exclude=True,
                                  description="Values of the plugins' own flags, by name (not a flag itself).")
 

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+# below it a draw is greedy: logits divided by a temperature near 5e-324 overflow float64 to inf - inf = NaN
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a stream draws: greedy at temperature 0, else filtered keyed Gumbel-max."""
+    """How a stream draws: greedy at temperature 0 (or below GREEDY_BELOW), else filtered keyed Gumbel-max."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -22,7 +24,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def seed_from_prompt(token_ids) -> int:

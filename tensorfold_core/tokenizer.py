@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
@@ -10,6 +11,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import CheckpointError
 from .files import read_json_if_present
+
+# a normalizer may shrink text before it is split (stripping accents turns the 2 bytes of "é" into 1): a margin
+NORMALIZED_SLACK = 4
 
 
 def _token_text(value) -> str | None:
@@ -71,8 +75,22 @@ class Tokenizer:
         return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(tok_config.get("add_bos_token", False)),
                    chat_template=template, special_texts=texts)
 
+    def _encode(self, text: str) -> list[int]:
+        # encode_batch lets go of the GIL while it works (encode holds it): a long text must not stall other threads
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @cached_property
+    def _entry_bytes(self) -> int:
+        """Most UTF-8 bytes one vocabulary entry spells: no token stands for more bytes of text than its entry."""
+        longest = max((len(t.encode("utf-8")) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (NORMALIZED_SLACK if self.backend.normalizer is not None else 1)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, known without encoding it."""
+        return -(-len(text.encode("utf-8")) // self._entry_bytes)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self._encode(text)
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
@@ -93,9 +111,7 @@ class Tokenizer:
                                      eos_token=self.special_texts.get("eos_token", ""), **extra)
 
     def encode_chat(self, messages: list[dict], **extra) -> list[int]:
-        text = self.apply_chat_template(messages, **extra)
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        return ids
+        return self._encode(self.apply_chat_template(messages, **extra))
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self)

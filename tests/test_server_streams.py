@@ -216,12 +216,16 @@ def failing(served):
     host.submit = original
 
 
-def test_an_engine_error_before_the_first_token_is_a_500_with_an_openai_error_body(served, failing):
+def test_an_engine_error_before_the_first_token_is_a_500_logged_once_under_its_request_id(served, failing, caplog):
     for stream in (False, True):
+        caplog.clear()
         body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": stream}
         response = httpx.post(served.url + "/v1/completions", json=body)
         assert response.status_code == 500
-        assert "injected" in response.json()["error"]["message"]
+        message, rid = response.json()["error"]["message"], response.headers["x-request-id"]
+        assert "injected" not in message and rid in message  # the cause is the log's, never the client's
+        logged = [r.getMessage() for r in caplog.records if "injected" in r.getMessage()]
+        assert len(logged) == 1 and rid in logged[0]
 
 
 def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_event(served, failing):
@@ -230,5 +234,6 @@ def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_event(served, 
     with httpx.stream("POST", served.url + "/v1/completions", json=body) as response:
         assert response.status_code == 200
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and "injected" in json.loads(events[-2])["error"]["message"]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "internal_error"
+    assert "injected" not in events[-2]
     assert all("choices" in json.loads(e) for e in events[:-2])

@@ -18,7 +18,8 @@ class Admission:
         self.drafter = drafter
         self.resume = resume  # resuming changes a stream's windows, so it needs row invariance
         self.marks = marks  # chunk marks: where a state that cannot be trimmed keeps resume points
-        self.waits = 0  # admissions that had to wait for room
+        self.waits = 0  # streams that had to wait for room (each once, however often it was retried)
+        self._last_waiter: int | None = None
 
     def slot_bytes(self, limit: int) -> int:
         return self.drafter.slot_bytes_for(limit) if self.drafter is not None else 0
@@ -27,14 +28,26 @@ class Admission:
         """Bytes a stream of `limit` tokens holds: its cache and its drafter slot."""
         return self.model.cache_bytes(limit) + self.slot_bytes(limit)
 
-    def check(self, limit: int) -> None:
-        """Refuse at once a stream that could never fit, even alone in an empty budget."""
-        need = self.price(limit)
-        if need > self.ledger.budget:
-            raise RequestError(
-                f"this request needs {need / GIB:.3f} GiB of cache for {limit} tokens (prompt + max_tokens), "
-                f"more than the whole memory budget of {self.ledger.budget / GIB:.3f} GiB; lower max_tokens",
-                param="max_tokens", code="memory_budget_exceeded")
+    def check(self, prompt_tokens: int, limit: int) -> None:
+        """Refuse at once a stream that could never fit, even alone in an empty budget; say what would fit."""
+        need, budget = self.price(limit), self.ledger.budget
+        if need <= budget:
+            return
+        fits = self._most_tokens_within(budget, limit)
+        advice = (f"send max_tokens of at most {fits - prompt_tokens}" if fits > prompt_tokens else
+                  "the prompt alone does not fit; shorten it")
+        raise RequestError(
+            f"this request may hold {limit} tokens (its prompt's {prompt_tokens} and the reply's), whose cache "
+            f"needs {need:,} bytes ({need / GIB:.3f} GiB), more than the whole memory budget of {budget:,} bytes "
+            f"({budget / GIB:.3f} GiB); {advice}", param="max_tokens", code="memory_budget_exceeded")
+
+    def _most_tokens_within(self, budget: int, limit: int) -> int:
+        """The largest stream length whose price fits `budget` (0 if none): prices grow with the length."""
+        low, high = 0, limit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.price(mid) <= budget else (low, mid - 1)
+        return low
 
     def _make_room(self, need: int) -> bool:
         """Kept states, then kept drafter slots, give way; True when `need` bytes are free."""
@@ -51,7 +64,9 @@ class Admission:
         """A cache for the stream (resumed from the longest kept prefix) and its cached tokens; None: wait."""
         cache_bytes, slot_bytes = self.model.cache_bytes(limit), self.slot_bytes(limit)
         if not self._make_room(cache_bytes + slot_bytes):
-            self.waits += 1
+            if stream_id != self._last_waiter:  # the head of the queue is retried every loop: count it once
+                self.waits += 1
+                self._last_waiter = stream_id
             return None
         self.ledger.reserve(("stream", stream_id), "stream_cache", cache_bytes)
         if slot_bytes:

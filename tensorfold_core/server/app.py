@@ -5,16 +5,18 @@ from __future__ import annotations
 import time
 import uuid
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
-from ..errors import CheckpointError, RequestError
+from ..options import ServeOptions
+from ..errors import RequestError
 from ..lanes.types import GenerationRequest
 from ..sampling import SamplingParams
 from . import errors
+from .edge import Edge, redact_paths
 from .generation import ClientGone, Generation, Step
+from .prompts import chat_prompt_ids, text_prompt_ids
 from .reply import Reply
 from .schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                       ChatDelta, ChatMessageOut, Completion, CompletionChoice, CompletionRequest, GenerationFields,
@@ -25,17 +27,19 @@ from .stream import open_stream
 GONE = 499  # nginx's "client closed request": never read by anyone, but honest in the access log
 
 
-def create_app(host: ServedHost) -> FastAPI:
-    """An app serving `host` under the OpenAI API."""
+def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI:
+    """An app serving `host` under the OpenAI API, behind the edge `options` set (server/edge.py)."""
     app = FastAPI(title="tensorfold", version=__version__, docs_url=None, redoc_url=None)
     app.state.host = host
     app.state.created = int(time.time())
     errors.install(app)
+    app.state.edge = edge = Edge.from_options(options or ServeOptions())
+    edge.install(app)
 
     def model_card() -> ModelCard:
         return ModelCard(id=host.model_id, created=app.state.created, max_model_len=host.context)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     def health():
         report = host.health()
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
@@ -51,17 +55,15 @@ def create_app(host: ServedHost) -> FastAPI:
 
     @app.get("/v1/capabilities")
     def capabilities():
-        return host.capabilities()
+        report = host.capabilities()
+        return report if edge.api_key else redact_paths(report)  # where files lie is for key holders only
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(host, body.model)
         body.refuse_unsupported()
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-        try:
-            prompt_ids = host.tokenizer.encode_chat(messages)
-        except (CheckpointError, jinja2.TemplateError) as exc:
-            raise RequestError(f"the chat template refused the messages: {exc}", param="messages") from exc
+        prompt_ids = await chat_prompt_ids(host, messages)
         generation = _start(host, body, prompt_ids, http)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -94,7 +96,7 @@ def create_app(host: ServedHost) -> FastAPI:
         _check_model(host, body.model)
         body.refuse_unsupported()
         prompt = body.single_prompt()
-        prompt_ids = host.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await text_prompt_ids(host, prompt)
         generation = _start(host, body, prompt_ids, http)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 

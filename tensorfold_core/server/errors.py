@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..errors import CheckpointError, DrafterError, OptionError, PluginError, RequestError, TensorfoldError
+from ..errors import RequestError, TensorfoldError
 
 log = logging.getLogger("tensorfold.server")
 
@@ -23,21 +24,30 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait: a stream slot frees within a round or two
+
+
 def error_response(message: str, status: int = 400, *, kind: str | None = None, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     kind = kind or _STATUS_KIND.get(status, "server_error")
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    if status == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
-def describe(error: BaseException) -> tuple[int, dict]:
-    """Status and OpenAI error body for any error a request can meet (also used inside SSE streams)."""
+def describe(error: BaseException, request_id: str | None = None) -> tuple[int, dict]:
+    """Status and OpenAI error body for any error a request can meet (also used inside SSE streams); a failure of
+    the server's own says only where its log holds the cause, never the exception's text."""
     if isinstance(error, RequestError):
         return error.status, error_body(error.message, error.kind, error.param, error.code)
-    if isinstance(error, (CheckpointError, PluginError, OptionError, DrafterError)):
-        return 500, error_body(str(error), "server_error", None, type(error).__name__)
-    if isinstance(error, TensorfoldError):
-        return 500, error_body(str(error), "server_error")
-    return 500, error_body(f"internal error: {type(error).__name__}: {error}", "server_error")
+    request_id = request_id or REQUEST_ID.get()
+    where = f" (request id {request_id})" if request_id else ""
+    return 500, error_body(f"the server failed on this request{where}; its log holds the cause", "server_error",
+                           None, "internal_error")
+
+
+# the id the edge gave the request being served (server/edge.py), for its log line and error body
+REQUEST_ID: ContextVar[str | None] = ContextVar("tensorfold_request_id", default=None)
 
 
 def _param(loc) -> str | None:
@@ -47,7 +57,7 @@ def _param(loc) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "int", "float", "bool") or "[" in part:
+        elif part in ("str", "int", "float", "bool") or "[" in part or part.startswith("constrained-"):
             continue  # union-branch names pydantic puts in the location
         else:
             out += ("." if out else "") + str(part)
@@ -70,6 +80,9 @@ def validation_response(exc: RequestValidationError, content_type: str = "applic
         return error_response("the request needs a JSON body" if missing else "the request body must be a JSON "
                               "object", 400, code="missing_body" if missing else "invalid_body")
     param = _param(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return error_response(f"{param}: tensorfold does not know this field (a field it does not serve is refused, "
+                              "never ignored)", 400, param=param, code="unknown_field")
     same = [e["msg"] for e in errors if _param(e.get("loc", ())) == param]
     if len(same) > 1:  # one field, several union branches refused it: say what each wanted
         message = f"{param}: none of its accepted forms fit ({'; '.join(dict.fromkeys(same))})"
@@ -90,17 +103,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return error_response(str(exc.detail), exc.status_code)
+        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)  # a 405 keeps its Allow
 
     @app.exception_handler(TensorfoldError)
     async def _tensorfold(request: Request, exc: TensorfoldError):
         status, body = describe(exc)
         if status >= 500:
-            log.error("request failed: %s", exc)
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error serving %s", request.url.path)
-        status, body = describe(exc)
-        return JSONResponse(body, status_code=status)
+            log.error("request %s failed: %s", REQUEST_ID.get(), exc)
+        error = body["error"]
+        return error_response(error["message"], status, kind=error["type"], param=error["param"], code=error["code"])
+    # any other exception is logged once and answered by the edge (server/edge.py), which knows the request id

@@ -43,10 +43,39 @@ class Generation:
         self.ticket = None
         self.finished = False  # the host sent its DoneEvent or ErrorEvent
         self.cancelled = False
+        self.edge = None  # server/edge.Edge: its drain and deadline, once started with an HTTP request
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False  # the deadline ended the reply
 
     def start(self, prompt_param: str = "prompt") -> None:
-        """Submit to the host; a request it can never serve raises RequestError here, naming `prompt_param`."""
+        """Submit to the host; a request it can never serve raises RequestError here, naming `prompt_param`.
+        A generation with its HTTP request joins the app's drain and runs under its deadline (server/edge.py)."""
         self.ticket = self.host.submit(self.request, self._on_event, prompt_param)
+        if self.http is not None:
+            self.edge = self.http.app.state.edge
+            self.edge.drain.add(self)
+            if self.edge.deadline_s is not None:
+                self.timer = self.loop.call_later(self.edge.deadline_s, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.cancel()
+
+    def abort(self, error: Exception) -> None:
+        """End the reply now with `error` after what it already has (the server is going away); frees its slot."""
+        self.queue.put_nowait(ErrorEvent(error=error))
+        self.cancel()
+
+    def _leave(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.edge is not None:
+            self.edge.drain.discard(self)
+
+    def _usage(self, usage: dict) -> dict:
+        """The host's usage, counting the ids the reply returns: not an eos, nor tokens past a stop string."""
+        completion = len(self.reply.token_ids)
+        return {**usage, "completion_tokens": completion, "total_tokens": usage["prompt_tokens"] + completion}
 
     def _on_event(self, event) -> None:
         # called from the engine thread: hand the event to the loop, never touch asyncio objects here
@@ -88,7 +117,7 @@ class Generation:
                         yield Step(piece)
                 elif isinstance(event, DoneEvent):
                     self.finished = True
-                    yield Step(self.reply.finish(), self._finish_reason(event), dict(event.usage))
+                    yield Step(self.reply.finish(), self._finish_reason(event), self._usage(event.usage))
                     return
                 elif isinstance(event, ErrorEvent):
                     self.finished = True
@@ -97,10 +126,13 @@ class Generation:
             if watcher is not None:
                 watcher.cancel()
             self.cancel()  # a client gone, or a generator closed early: free the engine's slot
+            self._leave()
 
     def _finish_reason(self, event: DoneEvent) -> str:
         if self.reply.ended:
             return "stop"
+        if self.expired and event.finish_reason == "cancelled":
+            return "length"  # --deadline-s ends a reply as max_tokens would
         if event.finish_reason == "cancelled" and not self.cancelled:
             log.warning("stream cancelled by the host before it finished")
         return event.finish_reason

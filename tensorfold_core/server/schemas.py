@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ..errors import RequestError
+from .strict import RequestBody
 
 # --------------------------------------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestBody):
     """One message; content is text or a list of text parts (other part kinds are refused)."""
 
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template as given
@@ -40,12 +39,14 @@ class ChatMessage(BaseModel):
         return message
 
 
-class GenerationFields(BaseModel):
+class GenerationFields(RequestBody):
     """The fields both endpoints share: how many tokens, how to draw them, when to stop, what to return.
 
     Where OpenAI leaves room, tensorfold decides so:
     - temperature defaults to 1.0 as in OpenAI (sampled, keyed by `seed` or, without one, by the prompt);
-      send temperature 0 for greedy.
+      send temperature 0 for greedy. A temperature below 1e-5 draws greedily too (sampling.GREEDY_BELOW);
+      NaN and infinities are refused, as every float field's are.
+    - types are JSON's own (strict.RequestBody): "10" is not an int, 1 is not a bool; unknown fields are refused.
     - no max_tokens / max_completion_tokens: the reply may run to the end of the context; a limit past the
       context is cut at the context (finish_reason "length").
     - the tokenizer's eos tokens end a reply (finish_reason "stop") and are in neither the text nor token_ids.
@@ -54,8 +55,6 @@ class GenerationFields(BaseModel):
     - `return_token_ids` puts the reply's token ids on the choice (and each chunk's own ids on each chunk).
     - `draft: false` decodes without drafts (the serial reference); the tokens are the same either way.
     """
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     stream: bool = False
@@ -74,6 +73,7 @@ class GenerationFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, and used for nothing
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,6 +87,8 @@ class GenerationFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Fields OpenAI defines that tensorfold does not serve yet: refused, never silently ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.n != 1:
             raise RequestError("only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -105,6 +107,7 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None  # text is what is served; "audio" is refused by the type
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -113,14 +116,21 @@ class ChatCompletionRequest(GenerationFields):
         super().refuse_unsupported()
         if self.logprobs or self.top_logprobs:
             raise RequestError("logprobs are not supported yet", param="logprobs")
+        if self.tool_choice is not None and not self.tools:
+            raise RequestError("tool_choice is only allowed when tools are given", param="tool_choice")
         if self.tools and self.tool_choice != "none":
             raise RequestError("tools are not supported yet", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise RequestError("only response_format type 'text' is supported", param="response_format")
 
 
+Text = Annotated[str, Field(min_length=1)]
+Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # an empty prompt ("", [] or [[]]) is refused by its type: there is nothing to continue
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Ids | Annotated[list[Ids], Field(min_length=1)]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

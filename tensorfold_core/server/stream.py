@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
-from .errors import describe
+from .errors import REQUEST_ID, describe
 from .generation import ClientGone, Generation, Step
 
 log = logging.getLogger("tensorfold.server")
@@ -51,7 +51,7 @@ async def _events(first: Step, steps: AsyncIterator[Step], chunk: Callable[[Step
     except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in the stream
         status, body = describe(exc)
         if status >= 500:
-            log.error("stream failed: %s", exc)
+            log.error("request %s: stream failed: %s", REQUEST_ID.get(), exc)
         yield sse(body)
         yield DONE
     finally:

@@ -1,0 +1,61 @@
+"""The base of every request body: JSON's own types only, finite floats, no unknown field, only encodable text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from ..errors import RequestError
+
+
+class RequestBody(BaseModel):
+    """A request body, or a part of one; every request model derives from it, so every field is strict.
+
+    - strict: no coercion ("10", true or 1.0 for an int; "yes" for a bool; true for a token id);
+    - finite: NaN and infinities (JSON's `Infinity`, `1e400`) are refused wherever a float is read;
+    - closed: a field the server does not know is refused, never ignored (a part may open itself again);
+    - encodable: a string holding a lone UTF-16 surrogate is refused, naming where it sits, before any
+      tokenizer, template or JSON encoder meets it.
+    """
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        where = unencodable(data)
+        if where is not None:
+            path, index = where
+            raise RequestError(f"{path or 'the body'}: holds a lone UTF-16 surrogate at character {index}, "
+                               "which is not Unicode text", param=path or None, code="invalid_string")
+        return data
+
+
+def unencodable(value: Any, path: str = "") -> tuple[str, int] | None:
+    """Where the first string (value or key) that UTF-8 cannot encode sits: its path and the character index."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not key.isascii():
+                found = unencodable(key, path)
+                if found is not None:
+                    return found
+            found = unencodable(item, inner)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = unencodable(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
