@@ -183,6 +183,13 @@ class Host:
         return {"status": "ok", "model": self.model_id, "streams": len(self.engine.streams),
                 "queued": self.queued(), "rounds": self.engine.rounds, "memory": self.admission.snapshot()}
 
+    def metrics(self) -> dict:
+        """What /metrics reads: streams, the ledger by kind, the prompt cache, and the engine's draft counters."""
+        memory = self.admission.snapshot()
+        return {"running": len(self.engine.streams), "waiting": self.queued(), "ledger": memory["held_by_kind"],
+                "budget": memory["budget_bytes"], "prompt_cache": memory.get("prompt_cache", {}),
+                "spec": self.engine.counters.snapshot()}
+
     def capabilities(self) -> dict:
         live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued()}
         return {**self._capabilities, **live}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -187,8 +188,7 @@ class Run:
 
 def serial(request: GenerationRequest) -> GenerationRequest:
     """The same request as the serial reference: one token a round, no drafts."""
-    return GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=request.max_tokens,
-                             sampling=request.sampling, stop_token_ids=request.stop_token_ids, draft=False)
+    return dataclasses.replace(request, draft=False)
 
 
 def solo(model, request: GenerationRequest) -> list[int]:

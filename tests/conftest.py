@@ -24,3 +24,19 @@ def served(tiny_llama_path):
     yield server
     server.stop()
     host.close()
+
+
+@pytest.fixture(scope="module")
+def shipped(request):
+    """The shipped default pair (tiny-llama drafted by tiny-llama-drafter, float32) behind a real server, untimed so
+    its drafts do not depend on how busy the machine is."""
+    from tensorfold_core.loading import load_host
+    from tensorfold_core.options import ServeOptions
+    from tensorfold_core.server import start_in_thread
+
+    host = load_host(None, ServeOptions(parallel=4, context=512, dtype="float32"), timed=False)
+    assert host.drafter is not None
+    server = start_in_thread(host)
+    yield server
+    server.stop()
+    host.close()

@@ -148,9 +148,9 @@ def test_a_bad_parameter_is_a_400_that_names_it(served):
 
 
 def test_unsupported_fields_are_refused_not_ignored(served):
-    url = served.url + "/v1/chat/completions"
-    for field, value in (("n", 2), ("logprobs", True), ("presence_penalty", 0.5)):
-        assert _error(httpx.post(url, json={"messages": CHAT, field: value}), 400)["param"] == field
+    url = served.url + "/v1/completions"
+    for field, value in (("echo", True), ("suffix", "x")):
+        assert _error(httpx.post(url, json={"prompt": PROMPT, field: value}), 400)["param"] == field
     batch = {"prompt": ["a", "b"], "max_tokens": 2}
     assert _error(httpx.post(served.url + "/v1/completions", json=batch), 400)["param"] == "prompt"
     outside = {"prompt": [10 ** 6], "max_tokens": 2}

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..protocols import MAX_DRAFT_DEPTH, DraftAsk, Drafter, Model
-from ..sampling import draw_rows
 from .copy import CopyProposer
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
+from .rows import RowStage
 from .stream import Stream
-from .types import ErrorEvent
+from .types import ErrorEvent, SpecCounters
 
 
 @dataclass
@@ -54,8 +54,18 @@ class Engine:
         self._asked: list[Turn] = []
         self.streams: dict[int, Stream] = {}
         self.rounds = 0
+        self.counters = SpecCounters()
 
     def add(self, stream: Stream) -> None:
+        request = stream.request
+        try:
+            stream.stage = RowStage(request.prompt_ids, self.model.vocab_size, request.penalties, request.logprobs,
+                                    request.grammar)
+        except Exception as exc:  # a grammar the matcher refuses ends its own stream only
+            stream.emit(ErrorEvent(error=exc))
+            if self.on_leave is not None:
+                self.on_leave(stream, False)
+            return
         self.streams[stream.id] = stream
 
     def cancel(self, stream_id: int) -> None:
@@ -77,6 +87,8 @@ class Engine:
         """Every decoding stream's pending token and drafts, plus prompt chunks up to one chunk's rows."""
         turns, prefill_rows = [], 0
         for stream in self.streams.values():
+            if not self._prompt_read(stream):
+                continue
             if stream.prefilling:
                 if prefill_rows:  # one prompt chunk a round keeps decode rounds short
                     continue
@@ -88,6 +100,26 @@ class Engine:
             turns.append(Turn(stream, window, draws))
         self._propose(turns)
         return turns
+
+    def _prompt_read(self, stream: Stream) -> bool:
+        """Whether the stream may take a turn: one of a prefill group waits until the group's first stream has read
+        the shared prompt, then starts from a copy of that state (a resumed state equals a fresh one where rows are
+        invariant, so each reply is the one it would be alone)."""
+        group = stream.request.prefill_group
+        if group is None or not self.shared_rounds or stream.cache.offset > 0:
+            return True
+        first = min((s for s in self.streams.values() if s.request.prefill_group == group
+                     and s.request.prompt_ids == stream.request.prompt_ids), key=lambda s: s.id)
+        if first is stream:
+            return True
+        if first.prefilling or first.generated == 0:
+            return False
+        state = self.model.snapshot(first.cache)
+        usable = state.resume_point(stream.prompt_len - 1)
+        if usable > 0:
+            stream.cache = self.model.restore(state, stream.cache.capacity, usable, marks=self.prefill_chunk)
+            stream.cached_tokens = usable
+        return True
 
     def _propose(self, turns: list[Turn]) -> None:
         """Copies first (free), the drafter for the rest; the planner prices every drawing window's depth
@@ -122,7 +154,14 @@ class Engine:
             for (turn, depth), drafts in zip(drafting, proposals):
                 turn.drafts, turn.source = list(drafts)[:depth], self.drafter.name
         self.planner.proposed()
-        for turn in self._asked:
+        for turn, room in zip(self._asked, rooms):
+            legal = turn.stream.stage.legal(turn.drafts)
+            self.counters.cut_by_grammar += len(turn.drafts) - len(legal)
+            forced = turn.stream.stage.forced(room)
+            # JSON's punctuation is forced by its grammar: those drafts cost no chain and nearly always land
+            turn.drafts, turn.source = (forced, "grammar") if len(forced) > len(legal) else (legal, turn.source)
+            if room > 0:  # a window that could draft: did the planner and its guards let it?
+                self.counters.verdicts["drafted" if turn.drafts else "plain"] += 1
             turn.window = turn.window + turn.drafts
 
     def round(self) -> bool:
@@ -160,14 +199,17 @@ class Engine:
                 self.model.keep(stream.cache, len(turn.window))
                 continue
             n = 1 + len(turn.drafts)
-            draws = draw_rows(rows[row:row + n], stream.request.sampling, stream.seed, len(stream.tokens))
+            draws, logprobs = stream.stage.verify(rows[row:row + n], turn.drafts, stream.request.sampling,
+                                                  stream.seed, len(stream.tokens))
             row += n
             accepted = accepted_prefix(turn.drafts, draws)
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
             self.model.keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
             self._count(turn, accepted)
             before = len(stream.tokens)
-            stream.emit_tokens(stream.commit(draws[:accepted + 1]))
+            shown = stream.commit(draws[:accepted + 1])
+            stream.stage.commit(stream.tokens[before:])
+            stream.emit_tokens(shown, logprobs)
             verified[id(turn)] = Verified(len(turn.drafts), accepted, len(stream.tokens) - before)
             if stream.finish_reason:
                 self._leave(stream)
@@ -178,6 +220,7 @@ class Engine:
         stats.rounds += 1
         stats.drafted += len(turn.drafts)
         stats.accepted += accepted
+        self.counters.window(len(turn.drafts), accepted)
         if turn.source == "copy":
             self.copy.observe(turn.stream.id, len(turn.drafts), accepted)
 

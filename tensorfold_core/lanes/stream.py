@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..protocols import Cache
 from ..sampling import seed_from_prompt
+from .rows import RowStage, TokenLogprob
 from .types import DoneEvent, GenerationRequest, TokenEvent, usage
 
 log = logging.getLogger("tensorfold")
@@ -39,6 +40,7 @@ class Stream:
     stats: RoundStats = field(default_factory=RoundStats)
     cancelled: bool = False
     finish_reason: str | None = None
+    stage: RowStage | None = None  # the engine's per-row logits stage for this stream, made when it joins
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt_ids)
@@ -84,9 +86,10 @@ class Stream:
         except Exception:  # a failing listener must not stop the engine or other streams
             log.exception("stream %s: its listener failed on %s", self.id, type(event).__name__)
 
-    def emit_tokens(self, token_ids: list[int]) -> None:
+    def emit_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         if token_ids:
-            self.emit(TokenEvent(token_ids=token_ids))
+            self.emit(TokenEvent(token_ids=token_ids,
+                                 logprobs=logprobs[:len(token_ids)] if logprobs is not None else None))
 
     def finish(self, reason: str | None = None) -> None:
         self.finish_reason = reason or self.finish_reason or "stop"

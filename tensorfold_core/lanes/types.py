@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable
 
+from ..protocols import MAX_DRAFT_DEPTH
 from ..sampling import SamplingParams
+from .constraints import Grammar
+from .rows import Penalties, TokenLogprob
 
 
 @dataclass
@@ -16,6 +20,10 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     draft: bool = True  # False: the serial reference, one token per round, no drafts
+    penalties: Penalties = Penalties()
+    logprobs: int | None = None  # None: none; k: each drawn token's logprob and its row's k most likely ids
+    grammar: Grammar | None = None  # every drawn token must keep the reply inside this grammar
+    prefill_group: Hashable | None = None  # streams of one group (n > 1) read their shared prompt once
 
 
 def usage(prompt_tokens: int, completion_tokens: int = 0, cached_tokens: int = 0,
@@ -35,6 +43,7 @@ class TokenEvent:
     """Tokens committed to a stream in one round (one, or several when drafts land)."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass
@@ -50,3 +59,28 @@ class ErrorEvent:
     """The stream failed; `error` is a TensorfoldError where the cause is known."""
 
     error: Exception
+
+
+@dataclass
+class SpecCounters:
+    """What the engine's windows drafted and kept, over all streams (vLLM's spec-decode counters)."""
+
+    drafts: int = 0  # windows that carried at least one draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_DEPTH)
+    verdicts: dict[str, int] = field(default_factory=lambda: {"drafted": 0, "plain": 0})  # windows that could draft
+    cut_by_grammar: int = 0  # drafts cut before the verify because the grammar refused them
+
+    def window(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
+
+    def snapshot(self) -> dict:
+        return {"num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
+                "num_accepted_tokens": self.accepted_tokens, "accepted_per_position": list(self.accepted_per_position),
+                "verdicts": dict(self.verdicts), "cut_by_grammar": self.cut_by_grammar}

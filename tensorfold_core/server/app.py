@@ -11,18 +11,22 @@ from fastapi.responses import JSONResponse, Response
 from .. import __version__
 from ..options import ServeOptions
 from ..errors import RequestError
-from ..lanes.types import GenerationRequest
-from ..sampling import SamplingParams
 from . import errors
 from .edge import Edge, redact_paths
+from .choices import Choices
 from .generation import ClientGone, Generation, Step
+from .logprobs import chat_logprobs, completion_logprobs
+from .metrics import Metrics, install as install_metrics
 from .prompts import chat_prompt_ids, text_prompt_ids
 from .reply import Reply
+from .requests import engine_requests
 from .schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                       ChatDelta, ChatMessageOut, Completion, CompletionChoice, CompletionRequest, GenerationFields,
                       ModelCard, ModelList, Usage)
 from .served import ServedHost
 from .stream import open_stream
+from .structured import Grammars
+from .tokenize import install as install_tokenize
 
 GONE = 499  # nginx's "client closed request": never read by anyone, but honest in the access log
 
@@ -35,14 +39,20 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
     errors.install(app)
     app.state.edge = edge = Edge.from_options(options or ServeOptions())
     edge.install(app)
+    grammars = Grammars(host.tokenizer)
+    metrics = Metrics(host)
+    install_metrics(app, metrics)
+    install_tokenize(app, host, _check_model)
 
     def model_card() -> ModelCard:
         return ModelCard(id=host.model_id, created=app.state.created, max_model_len=host.context)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     def health():
         report = host.health()
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+
+    app.add_api_route("/health", health, methods=["HEAD"])  # its own route: one operation id per method
 
     @app.get("/v1/models")
     def models() -> ModelList:
@@ -64,32 +74,35 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
         body.refuse_unsupported()
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         prompt_ids = await chat_prompt_ids(host, messages)
-        generation = _start(host, body, prompt_ids, http)
+        generation = _start(host, grammars, metrics, body, prompt_ids, http)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        logprobs = (lambda entries: chat_logprobs(entries, grammars.token_bytes)) \
+            if body.logprob_count() is not None else (lambda entries: None)
 
         def chunk(step: Step) -> ChatCompletionChunk | None:
             if not step.piece.text and step.finish_reason is None and not body.return_token_ids:
                 return None
             delta = ChatDelta(content=step.piece.text or None)
-            choice = ChatChunkChoice(delta=delta, finish_reason=step.finish_reason,
+            choice = ChatChunkChoice(index=step.index, delta=delta, finish_reason=step.finish_reason,
+                                     logprobs=logprobs(step.logprobs),
                                      token_ids=step.piece.token_ids if body.return_token_ids else None)
             return ChatCompletionChunk(id=rid, created=created, model=host.model_id, choices=[choice])
 
         if body.stream:
-            opening = ChatCompletionChunk(id=rid, created=created, model=host.model_id,
-                                          choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+            opening = [ChatCompletionChunk(id=rid, created=created, model=host.model_id, choices=[
+                ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(body.n)]
             usage_chunk = (lambda usage: ChatCompletionChunk(id=rid, created=created, model=host.model_id,
                                                              choices=[], usage=Usage(**usage))) \
                 if body.include_usage else None
             return await open_stream(generation, chunk, opening, usage_chunk) or Response(status_code=GONE)
         try:
-            done = await generation.collect()
+            done, usage = await _collect(generation)
         except ClientGone:
             return Response(status_code=GONE)
-        choice = ChatChoice(message=ChatMessageOut(content=done.piece.text), finish_reason=done.finish_reason,
-                            token_ids=done.piece.token_ids if body.return_token_ids else None)
-        return ChatCompletion(id=rid, created=created, model=host.model_id, choices=[choice],
-                              usage=Usage(**done.usage))
+        choices = [ChatChoice(index=step.index, message=ChatMessageOut(content=step.piece.text),
+                              finish_reason=step.finish_reason, logprobs=logprobs(step.logprobs),
+                              token_ids=step.piece.token_ids if body.return_token_ids else None) for step in done]
+        return ChatCompletion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -97,13 +110,22 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
         body.refuse_unsupported()
         prompt = body.single_prompt()
         prompt_ids = await text_prompt_ids(host, prompt)
-        generation = _start(host, body, prompt_ids, http)
+        generation = _start(host, grammars, metrics, body, prompt_ids, http)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        offsets: dict[int, int] = {}  # each choice's text so far, for text_offset
+
+        def logprobs(step: Step) -> dict | None:
+            if body.logprobs is None:
+                return None
+            out = completion_logprobs(step.logprobs, grammars.token_bytes, offsets.get(step.index, 0))
+            offsets[step.index] = offsets.get(step.index, 0) + sum(len(t) for t in out["tokens"])
+            return out
 
         def chunk(step: Step) -> Completion | None:
             if not step.piece.text and step.finish_reason is None and not body.return_token_ids:
                 return None
-            choice = CompletionChoice(text=step.piece.text, finish_reason=step.finish_reason,
+            choice = CompletionChoice(index=step.index, text=step.piece.text, finish_reason=step.finish_reason,
+                                      logprobs=logprobs(step),
                                       token_ids=step.piece.token_ids if body.return_token_ids else None)
             return Completion(id=rid, created=created, model=host.model_id, choices=[choice])
 
@@ -112,13 +134,14 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
                                                     usage=Usage(**usage))) if body.include_usage else None
             return await open_stream(generation, chunk, None, usage_chunk) or Response(status_code=GONE)
         try:
-            done = await generation.collect()
+            done, usage = await _collect(generation)
         except ClientGone:
             return Response(status_code=GONE)
-        choice = CompletionChoice(text=done.piece.text, finish_reason=done.finish_reason,
-                                  token_ids=done.piece.token_ids if body.return_token_ids else None)
-        return Completion(id=rid, created=created, model=host.model_id, choices=[choice],
-                          usage=Usage(**done.usage))
+        choices = [CompletionChoice(index=step.index, text=step.piece.text, finish_reason=step.finish_reason,
+                                    logprobs=logprobs(step),
+                                    token_ids=step.piece.token_ids if body.return_token_ids else None)
+                   for step in done]
+        return Completion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
 
     return app
 
@@ -130,15 +153,26 @@ def _check_model(host: ServedHost, name: str | None) -> None:
                            param="model", code="model_not_found", status=404, kind="not_found_error")
 
 
-def _start(host: ServedHost, body: GenerationFields, prompt_ids: list[int], http: Request) -> Generation:
-    """Build the engine request (eos ids are stop tokens; no limit = the rest of the context) and submit it."""
-    limit = body.token_limit()
-    max_tokens = limit if limit is not None else max(1, host.context - len(prompt_ids))
-    sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
-                              min_p=body.min_p, seed=body.seed)
-    eos = frozenset(host.tokenizer.eos_ids)
-    request = GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, sampling=sampling,
-                                stop_token_ids=eos, draft=body.draft)
-    generation = Generation(host, request, Reply(host.tokenizer, body.stop_strings(), eos), http)
+def _start(host: ServedHost, grammars: Grammars, metrics: Metrics, body: GenerationFields, prompt_ids: list[int],
+           http: Request) -> Generation | Choices:
+    """Build the engine requests (one per choice; best_of may run more) and submit them."""
+    streams = body.streams()
+    # best_of ranks by cumulative logprob, so its streams report the drawn tokens' logprobs whether shown or not
+    logprobs = body.logprob_count() if streams == body.n else (body.logprob_count() or 0)
+    grammar = grammars.for_request(body.constraint_fields())
+    requests = engine_requests(host, body, prompt_ids, streams=streams, logprobs=logprobs, grammar=grammar)
+    eos, stops = host.tokenizer.eos_ids, body.stop_strings()
+    # the first choice watches the connection; the others end with it
+    generations = [Generation(host, request, Reply(host.tokenizer, stops, eos), http if i == 0 else None, index=i,
+                              metrics=metrics) for i, request in enumerate(requests)]
+    generation = generations[0] if len(generations) == 1 else Choices(generations, shown=body.n)
     generation.start("prompt" if isinstance(body, CompletionRequest) else "messages")
     return generation
+
+
+async def _collect(generation: Generation | Choices) -> tuple[list[Step], dict]:
+    """Every shown choice's whole reply, and the request's usage."""
+    if isinstance(generation, Choices):
+        return await generation.collect()
+    done = await generation.collect()
+    return [done], done.usage

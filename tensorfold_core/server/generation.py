@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from starlette.requests import Request
 
 from ..errors import TensorfoldError
+from ..lanes.rows import TokenLogprob
 from ..lanes.types import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 from .reply import Piece, Reply
 from .served import ServedHost
@@ -28,13 +30,21 @@ class Step:
     piece: Piece
     finish_reason: str | None = None
     usage: dict | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id of the piece, when asked
+    index: int = 0  # which choice of the request (n > 1)
 
 
 class Generation:
     """Drives one stream: the engine thread calls `_on_event`; the event loop reads `steps()`."""
 
-    def __init__(self, host: ServedHost, request: GenerationRequest, reply: Reply, http: Request | None = None):
+    def __init__(self, host: ServedHost, request: GenerationRequest, reply: Reply, http: Request | None = None,
+                 index: int = 0, metrics=None):
         self.host = host
+        self.index = index
+        self.metrics = metrics  # server/metrics.Metrics, told of each round's tokens and of the end
+        self.submitted = self.last_tokens = time.monotonic()
+        self.saw_tokens = False
+        self.logprobs: list[TokenLogprob] = []
         self.request = request
         self.reply = reply
         self.http = http
@@ -110,14 +120,22 @@ class Generation:
             while True:
                 event = await self._next_event(watcher)
                 if isinstance(event, TokenEvent):
+                    if self.metrics is not None:
+                        self.last_tokens = self.metrics.tokens(self.last_tokens, len(event.token_ids),
+                                                               first=not self.saw_tokens)
+                    self.saw_tokens = True
                     piece = self.reply.feed(event.token_ids)
+                    logprobs = (event.logprobs or [])[:len(piece.token_ids)]  # the reply keeps a prefix
+                    self.logprobs += logprobs
                     if self.reply.stopped:
                         self.cancel()  # eos is the host's own stop token; a stop string needs telling
                     if piece.text or piece.token_ids:
-                        yield Step(piece)
+                        yield Step(piece, logprobs=logprobs, index=self.index)
                 elif isinstance(event, DoneEvent):
                     self.finished = True
-                    yield Step(self.reply.finish(), self._finish_reason(event), self._usage(event.usage))
+                    if self.metrics is not None:
+                        self.metrics.done(self.submitted, self._finish_reason(event), event.usage)
+                    yield Step(self.reply.finish(), self._finish_reason(event), self._usage(event.usage), index=self.index)
                     return
                 elif isinstance(event, ErrorEvent):
                     self.finished = True
@@ -142,7 +160,8 @@ class Generation:
         last = None
         async for step in self.steps():
             last = step
-        return Step(Piece(self.reply.text, list(self.reply.token_ids)), last.finish_reason, last.usage)
+        return Step(Piece(self.reply.text, list(self.reply.token_ids)), last.finish_reason, last.usage,
+                    list(self.logprobs), self.index)
 
 
 async def _disconnected(http: Request) -> None:

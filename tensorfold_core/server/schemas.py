@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from ..errors import RequestError
 from .strict import RequestBody
 
+MAX_CHOICES = 16  # n and best_of: each choice is a stream of its own, queued past --parallel
+
 # --------------------------------------------------------------------------------------------- requests
 
 
@@ -54,6 +56,9 @@ class GenerationFields(RequestBody):
       stop string, and `token_ids` keep every token up to the one that completed it.
     - `return_token_ids` puts the reply's token ids on the choice (and each chunk's own ids on each chunk).
     - `draft: false` decodes without drafts (the serial reference); the tokens are the same either way.
+    - penalties, logit_bias and grammars (response_format, guided_*) change each row's logits from that row's own
+      context before its draw (lanes/rows.py), so a drafted reply still equals its `draft: false` reply.
+    - `n` choices are n streams reading the prompt once; the i-th is keyed by seed + i (docs/api.md).
     """
 
     model: str | None = None
@@ -67,12 +72,18 @@ class GenerationFields(RequestBody):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     draft: bool = True
     return_token_ids: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extra: > 1 discourages prompt and reply tokens
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extras: at most one constraint a request
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, and used for nothing
 
     def stop_strings(self) -> list[str]:
@@ -89,24 +100,24 @@ class GenerationFields(RequestBody):
         """Fields OpenAI defines that tensorfold does not serve yet: refused, never silently ignored."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.n != 1:
-            raise RequestError("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported (penalties would change the exact draws)",
-                                   param=name)
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
+
+    def constraint_fields(self) -> dict[str, Any]:
+        """The fields a grammar is made from (server/structured.py)."""
+        return {name: getattr(self, name) for name in ("response_format", "guided_json", "guided_regex",
+                                                        "guided_choice", "guided_grammar")}
+
+    def streams(self) -> int:
+        """Streams to decode: one per choice (completions' best_of may run more)."""
+        return self.n
 
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[Literal["text"]] | None = None  # text is what is served; "audio" is refused by the type
 
     def token_limit(self) -> int | None:
@@ -114,14 +125,16 @@ class ChatCompletionRequest(GenerationFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise RequestError("logprobs are not supported yet", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tool_choice is not None and not self.tools:
             raise RequestError("tool_choice is only allowed when tools are given", param="tool_choice")
         if self.tools and self.tool_choice != "none":
             raise RequestError("tools are not supported yet", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise RequestError("only response_format type 'text' is supported", param="response_format")
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its row's k most likely tokens."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 Text = Annotated[str, Field(min_length=1)]
@@ -131,10 +144,16 @@ Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 class CompletionRequest(GenerationFields):
     # an empty prompt ("", [] or [[]]) is refused by its type: there is nothing to continue
     prompt: Text | Annotated[list[Text], Field(min_length=1)] | Ids | Annotated[list[Ids], Field(min_length=1)]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def streams(self) -> int:
+        return max(self.n, self.best_of or 1)
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -151,14 +170,15 @@ class CompletionRequest(GenerationFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs is not None:
-            raise RequestError("logprobs are not supported yet", param="logprobs")
         if self.echo:
             raise RequestError("echo is not supported", param="echo")
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise RequestError("only best_of=1 is supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise RequestError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.stream and self.streams() > self.n:
+            raise RequestError("best_of > n cannot be streamed (the best are known only at the end)",
+                               param="best_of")
 
 
 # -------------------------------------------------------------------------------------------- responses
@@ -196,7 +216,7 @@ class ChatChoice(_Body):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 
@@ -222,7 +242,7 @@ class ChatChunkChoice(_Body):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 
@@ -243,7 +263,7 @@ class CompletionChoice(_Body):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     token_ids: list[int] | None = None
 
 

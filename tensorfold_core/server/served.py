@@ -27,3 +27,6 @@ class ServedHost(Protocol):
 
     def capabilities(self) -> dict:
         """What the install can do and how this host serves."""
+
+    def metrics(self) -> dict:
+        """Counters for /metrics: running, waiting, ledger bytes by kind, budget, prompt cache, spec decoding."""

@@ -11,6 +11,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
 from .errors import REQUEST_ID, describe
+from .choices import Choices
 from .generation import ClientGone, Generation, Step
 
 log = logging.getLogger("tensorfold.server")
@@ -28,17 +29,17 @@ DONE = "data: [DONE]\n\n"
 
 
 async def _events(first: Step, steps: AsyncIterator[Step], chunk: Callable[[Step], BaseModel | None],
-                  opening: BaseModel | None, usage_chunk: Callable[[dict], BaseModel] | None):
+                  openings: list[BaseModel], usage_chunk: Callable[[dict], BaseModel] | None):
     """Chunks for `first` and the rest of `steps`; an error after the headers went out becomes an error event."""
     try:
-        if opening is not None:
+        for opening in openings:
             yield sse(opening)
         step = first
         while True:
             body = chunk(step)
             if body is not None:
                 yield sse(body)
-            if step.finish_reason is not None:
+            if step.usage is not None:  # the request's last step (every choice's, where n > 1)
                 if usage_chunk is not None:
                     yield sse(usage_chunk(step.usage or {}))
                 break
@@ -58,10 +59,11 @@ async def _events(first: Step, steps: AsyncIterator[Step], chunk: Callable[[Step
         await steps.aclose()
 
 
-async def open_stream(generation: Generation, chunk: Callable[[Step], BaseModel | None],
-                      opening: BaseModel | None = None,
+async def open_stream(generation: Generation | Choices, chunk: Callable[[Step], BaseModel | None],
+                      opening: BaseModel | list[BaseModel] | None = None,
                       usage_chunk: Callable[[dict], BaseModel] | None = None) -> StreamingResponse | None:
-    """Wait for the first step (so an early error is still a plain HTTP error), then stream the rest.
+    """Wait for the first step (so an early error is still a plain HTTP error), then stream the rest; `opening`
+    chunks (one per choice) go first.
 
     Returns None when the client left before anything was sent.
     """
@@ -75,5 +77,6 @@ async def open_stream(generation: Generation, chunk: Callable[[Step], BaseModel 
         await steps.aclose()
         raise
     # the background task also covers a response that never began iterating (client gone at once)
-    return StreamingResponse(_events(first, steps, chunk, opening, usage_chunk), media_type="text/event-stream",
+    openings = opening if isinstance(opening, list) else [opening] if opening is not None else []
+    return StreamingResponse(_events(first, steps, chunk, openings, usage_chunk), media_type="text/event-stream",
                              headers=SSE_HEADERS, background=BackgroundTask(generation.cancel))

@@ -1,0 +1,85 @@
+"""/tokenize and /detokenize in vLLM's shapes: text or chat messages to ids (through the chat template), ids to text."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jinja2
+from anyio import to_thread
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import CheckpointError, RequestError
+from .schemas import ChatMessage
+from .served import ServedHost
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    model: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's two forms: `prompt` (text), or `messages` through the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt (bos where the tokenizer adds one)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def install(app: FastAPI, host: ServedHost, check_model: Callable[[ServedHost, str | None], None]) -> None:
+    """The two routes, under / as vLLM serves them (and under /v1 too)."""
+
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(host, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("send exactly one of `prompt` and `messages`", param="prompt")
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = host.tokenizer.encode(body.prompt, add_special_tokens=special)
+        else:
+            if body.continue_final_message:
+                raise RequestError("continue_final_message is not supported", param="continue_final_message")
+            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+            template = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt}
+            try:  # off the event loop: a long chat must not stall other requests
+                ids = await to_thread.run_sync(lambda: host.tokenizer.encode_chat(messages, **template))
+            except (CheckpointError, jinja2.TemplateError) as exc:
+                raise RequestError(f"the chat template refused the messages: {exc}", param="messages") from exc
+        strs = [host.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs \
+            else None
+        return TokenizeResponse(count=len(ids), max_model_len=host.context, tokens=ids, token_strs=strs)
+
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(host, body.model)
+        vocab = host.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {body.tokens[bad]} at index {bad} is outside the vocabulary "
+                               f"(0..{vocab - 1})", param="tokens", code="invalid_token_id")
+        return DetokenizeResponse(prompt=host.tokenizer.decode(body.tokens))
+
+    for prefix in ("", "/v1"):
+        app.post(f"{prefix}/tokenize")(tokenize)
+        app.post(f"{prefix}/detokenize")(detokenize)
+
