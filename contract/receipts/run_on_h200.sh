@@ -2,7 +2,9 @@
 # The kernel contract and the GEMV benchmark on a CUDA machine that has MLX (PYTHONPATH=/tmp/site, see
 # shared/device/README.md) but not tensorfold: the plugins' entry points are written into a throwaway site, so
 # nothing is pip-installed and nothing outside numpy, pluggy and MLX is imported (no server, no pydantic).
-# Usage, from the repository root:  bash contract/receipts/run_on_h200.sh [contract|bench|all]   (default: all)
+# Usage, from the repository root:  bash contract/receipts/run_on_h200.sh [contract|bench|exact|all]   (default: all)
+# `exact` (not in `all`): tools/device/gpu_exact.py, the probe and drafted == plain == concurrent per kernel table
+# mode, which loads models through tensorfold_core and so needs pydantic (carried as wheels, docs/gpu.md).
 # TF_CONTRACT_ARGS passes flags on, e.g. TF_CONTRACT_ARGS="--seed 7 --only *gemv*" (globs with no spaces);
 # TF_COMMIT names the commit in env.txt (the device's copy has no .git: tools/device/stage.sh prints it).
 # On a GPU each record runs in a child process of its own (--isolate is the default there): a crash in MLX fails
@@ -79,6 +81,14 @@ PY
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m tensorfold_llama.kernels.bench --json "$out/gemv.json" 2>&1 | tee "$out/gemv.txt"
+fi
+if [ "$what" = exec ]; then  # any command with tensorfold and its plugins importable: TF_EXEC="..."
+  bash -c "$TF_EXEC" 2>&1 | tee "$out/exec.txt"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = exact ]; then
+  python3 tools/device/gpu_exact.py --out "$out" 2>&1 | tee "$out/gpu_exact.txt"
+  rc=${PIPESTATUS[0]}
 fi
 rm -rf "$site"
 exit $rc

@@ -101,6 +101,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.rope = RoPE(args)
+        self.sliding_window = args.sliding_window
+        # a window-attention record's implementation where the family's table names one (serving.py): it reads
+        # the cache's whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
+        self.attend = None
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -111,6 +115,11 @@ class Attention(nn.Module):
             v = values[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
             q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
             k, v = cache.write(layer, k, v)
+            if self.attend is not None:
+                o = self.attend(q[0].transpose(1, 0, 2), cache.keys[layer], cache.values[layer], cache.offset,
+                                self.scale, self.sliding_window)
+                outs.append(o.astype(x.dtype).reshape(n, -1))
+                continue
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))

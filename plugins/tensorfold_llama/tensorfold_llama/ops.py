@@ -10,6 +10,6 @@ OPS = {
     "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": BUILTIN},
     "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": BUILTIN},
     "rms_norm": {"cpu": BUILTIN, "cuda": "llama rmsnorm", "metal": "llama rmsnorm"},
-    # MLX's fast SDPA is not row-invariant on CUDA: a fixed-split window-attention record is to back it there
-    "attention": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": BUILTIN},
+    # MLX's fast SDPA is not row-invariant on CUDA: each row over its own keys in fixed splits of 256 instead
+    "attention": {"cpu": BUILTIN, "cuda": "llama window attention", "metal": "llama window attention"},
 }

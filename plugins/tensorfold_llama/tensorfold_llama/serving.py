@@ -99,8 +99,14 @@ def serve_kernels(model) -> dict:
         op = projection_op(module, model.dtype)
         return RecordLinear(module, usable[op], kind) if op in usable else module
 
+    attend = None
+    if "attention" in usable:
+        from .kernels.attention import WINDOW_ATTENTION
+
+        attend = WINDOW_ATTENTION[kind]
     for layer in blocks.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        attn.attend = attend
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(attn, name, linear(getattr(attn, name)))
         for name in ("gate_proj", "up_proj", "down_proj"):

@@ -237,6 +237,13 @@ CUDA_FP16_ACCUMULATOR = swap(f"acc = {_VALUE_FMA};", f"acc = __half2float(__floa
 NOT_INVARIANT_ON_CUDA = Finding("MLX's matmul is not row-invariant on CUDA (DESIGN §10), and the mlx implementation "
                                 "is composed of it: the cuda implementation is the exact one there",
                                 kind="mlx", gate=4, backend="cuda")
+# Seen on the H200 (contract/receipts/h200-2026-12-01-serving/attention-contract.txt): the composed ops stray
+# 0.0007-0.0084 from float64 on every shape, bf16 and fp32 alike, about what TF32-rounded matmul inputs give,
+# while the cuda implementation passes the same cases; MLX's CUDA matmul precision was not checked further
+LOOSE_ON_CUDA = tuple(Finding("MLX's CUDA matmul is less precise than the record's float32 tolerance (TF32-like), "
+                              "and the mlx implementation is composed of it: the cuda implementation serves there",
+                              kind="mlx", gate=gate, backend="cuda", symptom=" off by ", mlx="0.32.4")
+                      for gate in (2, 3))
 
 
 def _shape(label, model, keys, dtype="bfloat16", rows=WIDEST, window=0, heavy=False):
@@ -277,7 +284,7 @@ RECORD = KernelRecord(
     ),
     tolerance=tolerance,
     row_inputs=("q", "pos"),
-    findings=(NOT_INVARIANT_ON_CUDA,),
+    findings=(NOT_INVARIANT_ON_CUDA, *LOOSE_ON_CUDA),
     controls=(
         Control("split size by row count", "mlx", 4, variant(split_by_row_count)),
         Control("splits cut from the cache's end", "mlx", 4, variant(split_from_cache_end)),
