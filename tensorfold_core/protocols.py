@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ class Model(Protocol):
     vocab_size: int  # rows of the logits (the config's, padding included)
     dtype: mx.Dtype
     kernels: dict  # what serves each row-path op on this backend: "mlx" (built-in) or "RECORD (kind)"
+    taps: int  # layers a drafter may tap (a `TappedModel`, below); 0: this family has no taps
 
     def new_cache(self, capacity: int, marks: int = 0) -> Cache:
         """A cache that can hold `capacity` committed tokens plus one window; a family whose state cannot be
@@ -55,6 +57,36 @@ class Model(Protocol):
 
     def state_bytes(self, state: "KeptModelState") -> int:
         """Bytes a kept state holds."""
+
+
+@dataclass(frozen=True)
+class TappedRows:
+    """Tapped rows a cache committed: row i is absolute position `start + i`, each the named layers' outputs side
+    by side [rows, len(layers) * hidden_size]."""
+
+    start: int
+    rows: mx.array
+
+
+@runtime_checkable
+class TappedModel(Model, Protocol):
+    """A model whose `taps` > 0: it hands a drafter (DSpark) the rows of the layers it names, and binds the drafter
+    to its own embedding and head. A drafter checks `taps` first; core never calls these."""
+
+    hidden_size: int  # width of an embedded id, a head input, and each tapped layer's part of a row
+
+    def features(self, layers: Sequence[int]) -> None:
+        """From now on keep the post-layer residual rows of `layers` (ids below `taps`) for every row a cache
+        commits, prompt chunks and verified rows alike, until `take_features` hands them over; `[]` stops."""
+
+    def take_features(self, cache: Cache) -> TappedRows | None:
+        """The tapped rows `cache` committed since the last take (None: none), handed over and dropped there."""
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """The model's input embedding of `ids` [n, hidden_size], in its activation dtype."""
+
+    def head(self, rows: mx.array) -> mx.array:
+        """The model's output head (no final norm) over `rows` [n, hidden_size]: float32 logits [n, vocab_size]."""
 
 
 class KeptModelState(Protocol):
@@ -105,18 +137,20 @@ class Drafter(Proposer, Protocol):
 
 
 class DraftAsk:
-    """One stream's ask: its committed tokens (pending one last), the depth wanted, the most catch-up rows, and
-    the most tokens the stream may hold (what its slot was priced for at admission)."""
+    """One stream's ask: its committed tokens (pending one last), the depth wanted, the most catch-up rows, the
+    most tokens the stream may hold (what its slot was priced for at admission), and the stream's target cache."""
 
-    __slots__ = ("stream_id", "tokens", "depth", "catch_up", "limit")
+    __slots__ = ("stream_id", "tokens", "depth", "catch_up", "limit", "cache")
 
     def __init__(self, stream_id: int, tokens: Sequence[int], depth: int, catch_up: int | None = None,
-                 limit: int | None = None):
+                 limit: int | None = None, cache: Cache | None = None):
         self.stream_id = stream_id
         self.tokens = tokens
         self.depth = depth
         self.catch_up = catch_up  # None: a drafter feeds all the context it lacks; a bound lets it skip the rest
         self.limit = len(tokens) + depth if limit is None else limit
+        # read-only to a drafter: only for `TappedModel.take_features` (None where the asker has no target cache)
+        self.cache = cache
 
     def __repr__(self):
         return f"DraftAsk(stream_id={self.stream_id}, tokens=<{len(self.tokens)}>, depth={self.depth})"

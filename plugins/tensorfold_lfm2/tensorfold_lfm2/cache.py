@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from tensorfold_core.families import WINDOW_SLACK, grown
+from tensorfold_core.protocols import TappedRows
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class HybridCache:
         self.inputs: list[mx.array | None] = [None] * shape.conv_layers  # [tail; window rows] of the last forward
         self.kept_conv: dict[int, tuple[mx.array, ...]] = {}  # chunk mark -> conv tails there
         self.asked: set[int] = set()  # token counts to keep conv tails at, besides every `marks`
+        self.tapped: mx.array | None = None  # the last window's tapped rows, while the model taps layers
+        self.staged: list[mx.array] = []  # tapped rows committed and not yet taken, from position `staged_from`
+        self.staged_from = 0
 
     def mark(self, tokens: int) -> None:
         """Keep the conv tails at `tokens` once the cache passes it, even inside a window."""
@@ -109,10 +113,24 @@ class HybridCache:
         self.asked -= passed
         if self.inputs:
             self.conv = list(tails(rows))
+        if self.tapped is not None and rows:
+            if not self.staged:
+                self.staged_from = self.offset
+            self.staged.append(mx.contiguous(self.tapped[:rows]))
+            marked.append(self.staged[-1])
+        self.tapped = None
         self.offset += rows
         self.window = None
         self.inputs = [None] * self.shape.conv_layers
         return [*self.keys, *self.values, *self.conv, *marked]  # what keep() evaluates to cut the graph
+
+    def take_taps(self) -> TappedRows | None:
+        """The tapped rows committed since the last take, handed over (a kept state never holds them)."""
+        if not self.staged:
+            return None
+        rows = self.staged[0] if len(self.staged) == 1 else mx.concatenate(self.staged)
+        self.staged = []
+        return TappedRows(self.staged_from, rows)
 
     def snapshot(self) -> KeptState:
         """The committed state, copied: restorable at `offset` and at every chunk mark it passed."""

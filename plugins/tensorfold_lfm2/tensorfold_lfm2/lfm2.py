@@ -11,6 +11,7 @@ import mlx.nn as nn
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
                                       packed_ids, picked_logits, swiglu)
+from tensorfold_core.protocols import TappedRows
 
 from .cache import HybridCache, KeptState, Shape
 
@@ -185,6 +186,9 @@ class Model(nn.Module):
         self.vocab_size = args.vocab_size
         self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
         self.kernels: dict = {}  # what serves each row-path op here (the loader fills it from its table)
+        self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
+        self.hidden_size = args.hidden_size
+        self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)
         self.model = Lfm2Model(args, [self.feed_forward(i) for i in range(args.num_hidden_layers)])
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -219,7 +223,9 @@ class Model(nn.Module):
 
     def cache_bytes(self, tokens: int) -> int:
         shape = self._shape
-        return shape.kv_bytes(tokens + WINDOW_SLACK) + shape.conv_bytes()
+        # while layers are tapped, a cache may stage every row it commits until its drafter takes them
+        taps = (tokens + WINDOW_SLACK) * len(self._tapped) * self.hidden_size * self.dtype.size
+        return shape.kv_bytes(tokens + WINDOW_SLACK) + shape.conv_bytes() + taps
 
     def snapshot(self, cache: HybridCache) -> KeptState:
         """A standalone copy of the cache's committed state, restorable at its offset and its chunk marks."""
@@ -241,9 +247,15 @@ class Model(nn.Module):
                     logit_rows: Sequence[int], commit: bool = False) -> mx.array:
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows)
-        h = self.model.embed_tokens(ids)
-        for layer, slot in zip(self.model.layers, self._slots):
+        h, outputs = self.model.embed_tokens(ids), {}
+        for i, (layer, slot) in enumerate(zip(self.model.layers, self._slots)):
             h = layer(h, spans, slot)
+            if i in self._tapped:
+                outputs[i] = h
+        if self._tapped:  # the rows stay lazy: a row's taps are computed only if its cache commits it
+            tapped = mx.concatenate([outputs[i] for i in self._tapped], axis=-1)
+            for start, n, cache, _ in spans:
+                cache.tapped = tapped[start:start + n]
         close_windows(spans, commit)
         head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
         return picked_logits(h, pick, self.model.embedding_norm, head, self.vocab_size)
@@ -251,3 +263,25 @@ class Model(nn.Module):
     def keep(self, cache: HybridCache, rows: int) -> None:
         check_keep(cache, rows)
         mx.eval(cache.commit(rows))  # cut the graph: a window whose rows gave no logits is computed here
+
+    # -- taps (a TappedModel): the layers' rows a drafter reads, and the embedding and head it is bound to --
+
+    def features(self, layers: Sequence[int]) -> None:
+        """Keep the post-layer residual rows of `layers` for every committed row from now on; `[]` stops."""
+        layers = tuple(int(layer) for layer in layers)
+        wrong = [layer for layer in layers if not 0 <= layer < self.taps]
+        if wrong or len(set(layers)) < len(layers):
+            raise ValueError(f"taps {list(layers)}: expected distinct layer ids in 0..{self.taps - 1}")
+        if layers and self._tapped and layers != self._tapped:
+            raise ValueError(f"layers {list(self._tapped)} are tapped already; one drafter taps a model")
+        self._tapped = layers
+
+    def take_features(self, cache: HybridCache) -> TappedRows | None:
+        return cache.take_taps()
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.model.embed_tokens(ids)
+
+    def head(self, rows: mx.array) -> mx.array:
+        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
+        return head(rows).astype(mx.float32)

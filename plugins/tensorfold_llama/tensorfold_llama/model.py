@@ -161,6 +161,8 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     """A llama checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
 
+    taps = 0  # no layer taps: the llama family hands no drafter its hidden rows
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
