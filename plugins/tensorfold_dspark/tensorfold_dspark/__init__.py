@@ -1,0 +1,1 @@
+"""tensorfold-dspark: the DSpark drafter, reading an LFM2 target's taps."""

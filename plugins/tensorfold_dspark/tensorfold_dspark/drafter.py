@@ -1,0 +1,300 @@
+"""The DSpark drafter: each stream's tapped target rows absorbed into its lane, then a hold drafts a block."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from typing import Sequence, cast
+
+import mlx.core as mx
+
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.errors import DrafterError
+from tensorfold_core.families import GROW_STEP
+from tensorfold_core.protocols import DraftAsk, Model as TargetModel, TappedModel
+from tensorfold_core.sequences import common_prefix
+from tensorfold_core.specs import DrafterOptions
+
+from .lane import Lane
+from .load import BITS, args_of, load
+from .model import Block, Model, Span
+
+CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood aside) is absorbed before the chain
+WARM_UP_ID = -1  # a stream id no lane core hands out
+
+
+# ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----
+
+def matches(ckpt: Checkpoint) -> bool:
+    """A checkpoint in the published DFlash/DSpark layout: config.json carries a dflash_config object."""
+    return isinstance(ckpt.config.get("dflash_config"), dict)
+
+
+def admit(target: TargetModel, drafter_ckpt: Checkpoint, bits: int | None = None) -> None:
+    """Refuse a width other than 8 bits, a target without taps, and a target whose layers, width or vocabulary
+    differ from the ones the drafter was trained on."""
+    name = drafter_ckpt.path.name
+    if bits is not None and bits != BITS:
+        raise DrafterError(f"--drafter-bits {bits}: the dspark drafter serves {name}'s linears as 8-bit MLX affine "
+                           "codes, quantized at load from its float checkpoint; pass --drafter-bits 8 or leave the "
+                           "flag out")
+    args = args_of(drafter_ckpt)
+    if not target.taps:
+        raise DrafterError(f"drafter {name}: a DSpark drafter reads the target's layer taps, and the "
+                           f"{target.model_type} family has none (it drafts for lfm2 and lfm2_moe targets)")
+    tapped = cast(TappedModel, target)
+    for key, want, got in (("dflash_config.num_target_layers", args.num_target_layers, tapped.taps),
+                           ("hidden_size", args.hidden_size, tapped.hidden_size),
+                           ("vocab_size", args.vocab_size, tapped.vocab_size)):
+        if want != got:
+            raise DrafterError(f"drafter {name}: its {key} is {want}, the {target.model_type} target's is {got}; "
+                               "a DSpark drafter drafts only for the target it was trained on")
+
+
+# ---- the drafter ----
+
+class DSparkDrafter:
+    """A `Drafter`: rows the target committed are absorbed into each stream's lane (its context keys and values),
+    then a hold runs each asking stream's block [pending token, mask tokens] and picks drafts row after row."""
+
+    name = "dspark"
+
+    def __init__(self, model: Model, target: TappedModel, *, eos_ids: frozenset[int], options: DrafterOptions):
+        self.model, self.target = model, target
+        args = model.args
+        self.block_size = min(args.block_size, options.max_depth)  # the most rows a block was trained with
+        self.mask_id = args.mask_token_id
+        self.eos_ids = eos_ids
+        self.max_kept = options.max_kept
+        self.dtype = target.dtype
+        self.shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
+        self.lanes: dict[int, Lane] = {}  # live streams' lanes
+        self.kept: list[Lane] = []  # released lanes, oldest first, adopted by a stream sharing their prefix
+        self.chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
+        self.stats = dict(holds=0, absorbed=0, lane_reuses=0)
+
+    # -- what the ledger reads: a lane is sized at admission and never grows while its stream decodes --
+
+    def lane_capacity(self, tokens: int) -> int:
+        """Context rows a lane is made for, for a stream of at most `tokens`, in the caches' steps."""
+        return -(-tokens // GROW_STEP) * GROW_STEP
+
+    def slot_bytes_for(self, tokens: int) -> int:
+        return Lane.bytes_for(*self.shape, self.lane_capacity(tokens), self.dtype)
+
+    def kept_bytes(self) -> int:
+        return sum(lane.nbytes for lane in self.kept)
+
+    def shed_kept(self, wanted_bytes: int | None = None) -> int:
+        freed = 0
+        while self.kept and (wanted_bytes is None or freed < wanted_bytes):
+            freed += self.kept.pop(0).nbytes
+        if freed:
+            mx.clear_cache()
+        return freed
+
+    # -- the Proposer protocol --
+
+    def release(self, stream_id: int) -> None:
+        """Keep the stream's lane (its uncut prefix) for a later request sharing it; the oldest kept give way."""
+        lane = self.lanes.pop(stream_id, None)
+        self.chances.pop(stream_id, None)
+        if lane is None:
+            return
+        lane.trim(lane.whole)
+        lane.tokens = list(lane.tokens[:lane.whole])
+        if lane.whole and self.max_kept:
+            self.kept.append(lane)
+        excess = len(self.kept) - self.max_kept
+        if excess > 0:
+            del self.kept[:excess]
+            mx.clear_cache()
+
+    def catch_up(self, asks: Sequence[DraftAsk]) -> int:
+        """Absorb the lanes lagging by more than a round's rows (their prompts, or rows committed while they stood
+        aside); the rows absorbed (0: nothing ran)."""
+        work = self._sync(asks)
+        lagging = [(lane, bound) for _, lane, _, bound in work if lane.pending_rows() > CATCH_UP_ROWS]
+        try:
+            rows = self._absorb(lagging)
+            mx.eval([a for lane, _ in lagging for a in lane.keys + lane.values])
+        except Exception:
+            self._drop([lane for lane, _ in lagging])
+            raise
+        return rows
+
+    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
+        """Each ask's block drafts: its lane absorbs the rows verified since its last hold, in the hold's graph."""
+        drafts: list[list[int]] = [[] for _ in asks]
+        work = self._sync(asks)
+        if not work:
+            return drafts
+        work.sort(key=lambda w: -w[2])  # deepest first: each Markov step's streams are a prefix of the last's
+        lanes = [lane for _, lane, _, _ in work]
+        try:
+            self._absorb([(lane, bound) for _, lane, _, bound in work])
+            steps, flags, chances = self._hold([asks[i].tokens for i, _, _, _ in work], lanes, [w[2] for w in work])
+        except Exception:
+            self._drop(lanes)
+            raise
+        self.stats["holds"] += 1
+        for j, (i, _, depth, _) in enumerate(work):
+            chain = [steps[s][j] for s in range(depth)]
+            bad = next((s for s in range(depth) if flags[s][j]), depth)  # a NaN row's draft and all after it
+            end = next((k + 1 for k, t in enumerate(chain[:bad]) if t in self.eos_ids), bad)
+            drafts[i] = chain[:end]
+            if chances:
+                running, out = 1.0, []
+                for s in range(end):
+                    running *= chances[s][j]
+                    out.append(running)
+                self.chances[asks[i].stream_id] = out
+        return drafts
+
+    def _sync(self, asks: Sequence[DraftAsk]) -> list[tuple[int, Lane, int, int | None]]:
+        """(ask index, lane, depth, catch-up bound) per ask the drafter drafts for; each lane takes the rows its
+        stream's target cache committed since the last ask."""
+        out, seen = [], set()
+        for i, ask in enumerate(asks):
+            if ask.stream_id in seen:
+                raise ValueError(f"stream {ask.stream_id} asks twice in one call")
+            seen.add(ask.stream_id)
+            depth = min(int(ask.depth), self.block_size)
+            tokens = ask.tokens
+            if depth <= 0 or not tokens or not 0 <= tokens[-1] < self.target.vocab_size:
+                continue
+            lane = self._lane(ask.stream_id, tokens, ask.limit)
+            lane.tokens = tokens
+            if ask.cache is not None:
+                taken = self.target.take_features(ask.cache)
+                if taken is not None:
+                    lane.pending.append(taken)
+            out.append((i, lane, depth, ask.catch_up))
+        return out
+
+    def _absorb(self, work: list[tuple[Lane, int | None]]) -> int:
+        """fc + hidden_norm over every lane's fresh rows at once, then each layer's keys and values into the lanes
+        (lazy: the caller evaluates); the rows absorbed."""
+        pieces = [(lane, piece) for lane, bound in work for piece in lane.fresh(bound)]
+        if not pieces:
+            return 0
+        rows = [piece.rows for _, piece in pieces]
+        c = self.model.context_rows((rows[0] if len(rows) == 1 else mx.concatenate(rows)).astype(self.dtype))
+        spans, at = [], 0
+        for _, piece in pieces:
+            spans.append(Span(at, piece.rows.shape[0], piece.start))
+            at += piece.rows.shape[0]
+        layers = self.model.context(c, spans)
+        for j, (lane, piece) in enumerate(pieces):
+            for layer, per_span in enumerate(layers):
+                lane.write(layer, *per_span[j])
+            lane.advance(piece.start, piece.rows.shape[0])
+        self.stats["absorbed"] += at
+        return at
+
+    def _hold(self, contexts: list[Sequence[int]], lanes: list[Lane], depths: list[int]):
+        """One pass over every block, the target's head, then the Markov head row after row (ties to the lowest
+        id); one eval for the whole hold, the lanes' absorbed rows included."""
+        ids, blocks, row = [], [], 0
+        for context, lane, depth in zip(contexts, lanes, depths):
+            ids += [context[-1]] + [self.mask_id] * (depth - 1)
+            blocks.append(Block(row, depth, len(context) - 1, lane))  # the pending token's own position
+            row += depth
+        final = self.model.blocks(self.target.embed(mx.array(ids, dtype=mx.uint32)), blocks)
+        logits = self.target.head(final)
+        previous = mx.array([context[-1] for context in contexts], dtype=mx.uint32)
+        steps, flags, chances = [], [], []
+        for step in range(depths[0]):
+            m = sum(1 for d in depths if d > step)
+            at = mx.array([block.start + step for block in blocks[:m]])
+            previous = previous[:m]
+            scores = logits[at] + self.model.markov(previous)
+            token = mx.argmax(scores, axis=-1)  # ties go to the lowest id, as the target's greedy draw
+            flags.append(mx.any(mx.isnan(scores), axis=-1))
+            chance = self.model.confidence(final[at], previous)
+            if chance is not None:
+                chances.append(chance)
+            steps.append(token)
+            previous = token.astype(mx.uint32)
+        mx.eval(steps, flags, chances, [a for lane in lanes for a in lane.keys + lane.values])
+        return [s.tolist() for s in steps], [f.tolist() for f in flags], [c.tolist() for c in chances]
+
+    def _drop(self, lanes: list[Lane]) -> None:
+        """Lanes whose arrays hold a graph that failed: their streams start afresh at the next ask."""
+        failed = {id(lane) for lane in lanes}
+        self.lanes = {k: lane for k, lane in self.lanes.items() if id(lane) not in failed}
+
+    def _lane(self, stream_id: int, tokens: Sequence[int], limit: int) -> Lane:
+        """The stream's lane; a new stream's is made at the size priced at admission, holding the longest prefix
+        of its context a kept or live lane shares (a live one is copied, a kept one taken over)."""
+        lane = self.lanes.get(stream_id)
+        if lane is not None:
+            return lane
+        capacity = self.lane_capacity(max(limit, len(tokens)))
+        best, shared = None, 0
+        for other in [*self.kept, *self.lanes.values()]:  # kept oldest first: ">=" prefers the newest
+            n = min(common_prefix(other.tokens, tokens), other.whole, len(tokens) - 1)
+            if n and n >= shared:
+                best, shared = other, n
+        if best is None:
+            lane = Lane(*self.shape, capacity, self.dtype)
+        else:
+            self.stats["lane_reuses"] += 1
+            if any(best is kept for kept in self.kept):
+                self.kept = [kept for kept in self.kept if kept is not best]
+                if best.capacity == capacity:
+                    best.trim(shared)
+                    self.lanes[stream_id] = best
+                    return best
+            lane = best.copy(shared, capacity, self.dtype)
+        self.lanes[stream_id] = lane
+        return lane
+
+    # -- start and stop --
+
+    def warm_up(self) -> None:
+        """One short hold over a real target cache, so a drafter that cannot run fails at start."""
+        cache = self.target.new_cache(8)
+        try:
+            self.target.forward([cache], [[0, 0]], [0])
+            self.target.keep(cache, 2)
+            self.propose([DraftAsk(WARM_UP_ID, [0, 0, 0], 2, limit=8, cache=cache)])
+        finally:
+            self.lanes.pop(WARM_UP_ID, None)
+            self.chances.pop(WARM_UP_ID, None)
+        self.stats = dict.fromkeys(self.stats, 0)
+
+    def close(self) -> None:
+        """Drop every lane, live or kept, stop the target's taps, and give MLX's cached buffers back."""
+        self.lanes.clear()
+        self.kept.clear()
+        self.chances.clear()
+        self.target.features([])
+        mx.clear_cache()
+
+
+def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions = DrafterOptions()) -> DSparkDrafter:
+    """Load the drafter (8-bit, one matrix at a time), tap the target's layers and warm up; a failure frees it."""
+    name = drafter_ckpt.path.name
+    admit(target, drafter_ckpt)
+    tapped = cast(TappedModel, target)
+    eos_ids = options.eos_ids if options.eos_ids is not None else frozenset(drafter_ckpt.tokenizer().eos_ids)
+    model = load(drafter_ckpt, tapped.dtype)  # a layout error is a CheckpointError naming the key or tensor
+    try:
+        tapped.features(model.args.target_layer_ids)
+    except ValueError as exc:
+        raise DrafterError(f"drafter {name}: the target cannot tap its layers ({exc})") from exc
+    drafter = DSparkDrafter(model, tapped, eos_ids=eos_ids, options=options)
+    del model  # the drafter owns the weights from here: freeing it frees them
+    try:
+        drafter.warm_up()
+    except Exception as exc:
+        drafter.close()
+        del drafter
+        # the traceback's frames would keep the drafter (their `self`) alive for as long as the error lives
+        traceback.clear_frames(exc.__traceback__)
+        gc.collect()
+        mx.clear_cache()
+        raise DrafterError(f"drafter {name}: warm-up failed ({type(exc).__name__}: {exc}); the drafter was freed") \
+            from exc
+    return drafter

@@ -1,0 +1,256 @@
+"""The DSpark drafter's architecture: config from the published layout, context from taps, block layers, two heads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tensorfold_core.errors import CheckpointError
+from tensorfold_core.families import ConfigArgs, swiglu
+
+
+@dataclass
+class ModelArgs(ConfigArgs):
+    model_type: str  # the backbone's (qwen3): no family serves it, which makes the checkpoint drafter-only
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    dflash_config: dict
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_parameters: dict | None = None  # transformers 5: rope_theta and the rope type in one dict
+    rope_is_neox_style: bool = False  # the published LFM2 drafter rotates interleaved pairs
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None
+    block_size: int | None = None  # older configs keep these beside dflash_config rather than in it
+    num_target_layers: int | None = None
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        rope = dict(self.rope_parameters or {})
+        self.rope_theta = float(rope.get("rope_theta", self.rope_theta))
+        self.rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        dflash = self.dflash_config if isinstance(self.dflash_config, dict) else {}
+        self.mask_token_id = dflash.get("mask_token_id")
+        self.target_layer_ids = dflash.get("target_layer_ids")
+        self.num_target_layers = dflash.get("num_target_layers", self.num_target_layers)
+        self.block_size = dflash.get("block_size", self.block_size)
+        self.markov_rank = dflash.get("markov_rank", 256)
+        self.markov_head_type = dflash.get("markov_head_type", "vanilla")
+        self.confidence = bool(dflash.get("enable_confidence_head", False))
+        self.confidence_with_markov = bool(dflash.get("confidence_head_with_markov", True))
+        self.causal = bool(dflash.get("causal", False))
+
+    def check(self, source: str) -> None:
+        if not isinstance(self.dflash_config, dict):
+            raise CheckpointError(f"{source}: dflash_config must be an object, got {self.dflash_config!r}")
+        needed = {"dflash_config.mask_token_id": self.mask_token_id,
+                  "dflash_config.target_layer_ids": self.target_layer_ids,
+                  "dflash_config.num_target_layers": self.num_target_layers, "block_size": self.block_size}
+        missing = [key for key, value in needed.items() if value is None]
+        if missing:
+            raise CheckpointError(f"{source}: missing {', '.join(missing)}")
+        ids, layers = self.target_layer_ids, self.num_target_layers
+        if (not isinstance(ids, list) or not ids or any(not isinstance(i, int) for i in ids)
+                or ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < layers):
+            raise CheckpointError(f"{source}: dflash_config.target_layer_ids {ids!r} must be increasing layer ids "
+                                  f"in 0..{layers - 1} (dflash_config.num_target_layers {layers})")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise CheckpointError(f"{source}: block_size {self.block_size!r} must be a positive count of drafts")
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise CheckpointError(f"{source}: dflash_config.mask_token_id {self.mask_token_id!r} is not a token id "
+                                  f"below vocab_size {self.vocab_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(f"{source}: {self.num_attention_heads} attention heads are not a multiple of "
+                                  f"{self.num_key_value_heads} key/value heads")
+        if self.hidden_act != "silu":
+            raise CheckpointError(f"{source}: hidden_act {self.hidden_act!r} is not supported (DSpark uses silu)")
+        if self.markov_head_type != "vanilla":
+            raise CheckpointError(f"{source}: dflash_config.markov_head_type {self.markov_head_type!r} is not "
+                                  "supported (vanilla: logits + W2 W1[previous token])")
+        if self.causal:
+            raise CheckpointError(f"{source}: dflash_config.causal is true; the DSpark block attends its rows "
+                                  "both ways (non-causal)")
+        if any(kind != "full_attention" for kind in self.layer_types or []):
+            raise CheckpointError(f"{source}: layer_types {self.layer_types!r}: only full_attention layers are read")
+        if self.rope_type != "default":
+            raise CheckpointError(f"{source}: rope type {self.rope_type!r} is not supported by the dspark drafter")
+
+
+class Span(NamedTuple):
+    """Context rows start..start+n of a packed absorb, at absolute positions offset.. of their stream."""
+
+    start: int
+    n: int
+    offset: int
+
+
+class Block(NamedTuple):
+    """One stream's block in the packed rows: rows start..start+n at absolute positions offset.., and its lane."""
+
+    start: int
+    n: int
+    offset: int
+    lane: "ContextKV"
+
+
+class ContextKV(Protocol):
+    """What a block attends besides itself: each layer's context keys (rotated) and values, `n` rows of them."""
+
+    keys: list[mx.array]  # per layer [1, kv_heads, >= n, head_dim]
+    values: list[mx.array]
+    n: int
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, bias = args.hidden_size, args.attention_bias
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.traditional = not args.rope_is_neox_style
+        self.rope_theta = args.rope_theta
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(x, self.head_dim, traditional=self.traditional, base=self.rope_theta, scale=1.0,
+                            offset=offset)
+
+    def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Normed keys and values of packed rows [rows, kv_heads, head_dim] (row-wise, so packing is free)."""
+        rows = x.shape[0]
+        return (self.k_norm(self.k_proj(x).reshape(rows, self.n_kv_heads, -1)),
+                self.v_proj(x).reshape(rows, self.n_kv_heads, -1))
+
+    def context(self, c: mx.array, spans: Sequence[Span]) -> list[tuple[mx.array, mx.array]]:
+        """Per span of packed context rows: keys rotated at its absolute positions, and values [1, kv, n, dim]."""
+        keys, values = self.keys_values(c)
+        out = []
+        for start, n, offset in spans:
+            k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (keys, values))
+            out.append((self.rope(k, offset), v))
+        return out
+
+    def __call__(self, x: mx.array, blocks: Sequence[Block], layer: int) -> mx.array:
+        rows = x.shape[0]
+        queries = self.q_norm(self.q_proj(x).reshape(rows, self.n_heads, -1))
+        keys, values = self.keys_values(x)
+        outs = []
+        for start, n, offset, lane in blocks:  # projections are packed; attention runs per block on its context
+            q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
+            q, k = self.rope(q, offset), self.rope(k, offset)
+            k = mx.concatenate([lane.keys[layer][..., :lane.n, :], k], axis=2)
+            v = mx.concatenate([lane.values[layer][..., :lane.n, :], v], axis=2)
+            # no mask: every block row sees the whole context and every row of its block, its later rows too
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=None)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
+        return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, blocks: Sequence[Block], layer: int) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), blocks, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """A low-rank bigram correction: each draft row's logits gain W2 W1[the token before it]."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    """One logit per draft row from its final row (and W1 of the token before it): sigmoid(logit + bias)."""
+
+    def __init__(self, inputs: int):
+        super().__init__()
+        self.proj = nn.Linear(inputs, 1, bias=True)
+
+
+class Model(nn.Module):
+    """A DSpark drafter: no embedding or head of its own; the target's are bound by the drafter that runs it."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.markov_head = MarkovHead(args.vocab_size, args.markov_rank)
+        if args.confidence:
+            width = args.hidden_size + (args.markov_rank if args.confidence_with_markov else 0)
+            self.confidence_head = ConfidenceHead(width)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Published names onto the modules: a leading `model.` dropped (some exports keep it)."""
+        out = {}
+        for name, w in weights.items():
+            key = name.removeprefix("model.")
+            if key in out:
+                raise CheckpointError(f"tensors {key!r} and 'model.{key}' name one parameter twice")
+            out[key] = w
+        return out
+
+    def context_rows(self, tapped: mx.array) -> mx.array:
+        """fc and hidden_norm: tapped target rows [n, taps * hidden] to the context every layer reads [n, hidden]."""
+        return self.hidden_norm(self.fc(tapped))
+
+    def context(self, c: mx.array, spans: Sequence[Span]) -> list[list[tuple[mx.array, mx.array]]]:
+        """Each layer's keys and values of each span of context rows (rows start.. at positions offset..)."""
+        return [layer.self_attn.context(c, spans) for layer in self.layers]
+
+    def blocks(self, h: mx.array, blocks: Sequence[Block]) -> mx.array:
+        """The layers over packed block rows, each block attending its own lane's context; the final norm."""
+        for i, layer in enumerate(self.layers):
+            h = layer(h, blocks, i)
+        return self.norm(h)
+
+    def markov(self, previous: mx.array) -> mx.array:
+        """W2 W1[previous]: float32 logits to add to the rows that follow those tokens."""
+        head = self.markov_head
+        return head.markov_w2(head.markov_w1(previous)).astype(mx.float32)
+
+    def confidence(self, rows: mx.array, previous: mx.array) -> mx.array | None:
+        """sigmoid(logit + bias) per draft row: how likely the draft there is the target's (None: no head)."""
+        if "confidence_head" not in self:
+            return None
+        features = rows
+        if self.args.confidence_with_markov:
+            features = mx.concatenate([rows, self.markov_head.markov_w1(previous).astype(rows.dtype)], axis=-1)
+        return mx.sigmoid(self.confidence_head.proj(features)[..., 0].astype(mx.float32))

@@ -1,0 +1,190 @@
+"""Through the lane engine, DSpark-drafted replies equal their serial solo runs; lanes absorb, hold and are kept."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from dspark_helpers import bigrams_of, dspark_config, dspark_weights, tiny_dspark_checkpoint, write_dspark
+from lfm2_helpers import solo
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.lanes.types import GenerationRequest
+from tensorfold_core.loading import start_drafter
+from tensorfold_core.protocols import DraftAsk
+from tensorfold_core.sampling import SamplingParams
+from tensorfold_core.testing import PROMPT, Run
+from tensorfold_dspark.drafter import CATCH_UP_ROWS
+from tensorfold_dspark.lane import Lane
+from tensorfold_dspark.model import Block
+from tensorfold_lfm2.load import load
+
+
+def requests():
+    """Prompts that repeat themselves and one that does not; even greedy, odd seeded."""
+    rng = random.Random(0)
+    prompts = [[40, 41, 42, 43, 44] * 4, [7, 8, 9] * 6 + [7], [100, 200, 300, 100, 200] * 3,
+               [rng.randrange(6, 384) for _ in range(23)]]
+    out = []
+    for i, prompt in enumerate(prompts):
+        out.append(GenerationRequest(prompt_ids=prompt, max_tokens=20 + 4 * i))
+        out.append(GenerationRequest(prompt_ids=prompt, max_tokens=24,
+                                     sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=i)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    """A target of this module's own: a drafter switches its taps on."""
+    return load(Checkpoint.open(target_dir))
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return [solo(target, request) for request in requests()]
+
+
+@pytest.fixture(scope="module")
+def taught_dir(tmp_path_factory, target_dir, references):
+    """A drafter whose Markov head knows the references' bigrams, so its drafts land."""
+    seen = [r.prompt_ids + ref for r, ref in zip(requests(), references)]
+    return tiny_dspark_checkpoint(tmp_path_factory.mktemp("taught") / "taught", target_dir, bigrams=bigrams_of(seen))
+
+
+@pytest.fixture(scope="module", params=["random", "taught"])
+def drafter(request, target, target_dir, dspark_dir, taught_dir):
+    path = dspark_dir if request.param == "random" else taught_dir
+    started = start_drafter(str(path), target, Checkpoint.open(target_dir).tokenizer())
+    started.kind = request.param
+    yield started
+    started.close()
+
+
+def drafted_run(target, drafter, parallel):
+    run = Run(target, parallel)
+    run.engine.drafter = drafter
+    return run
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_dspark_drafted_replies_equal_the_serial_solo_runs_for_greedy_and_seeded_sampling(target, drafter,
+                                                                                         references, parallel):
+    run = drafted_run(target, drafter, parallel)
+    for sid, request in enumerate(requests()):
+        run.submit(sid, request)
+    run.finish()
+    stats = [run.done(sid).usage["tensorfold"] for sid in range(len(references))]
+    assert [run.tokens(sid) for sid in range(len(references))] == references
+    assert sum(s["drafted"] for s in stats) > 0
+    if drafter.kind == "taught":
+        assert sum(s["accepted"] for s in stats) > 0
+    if parallel > 1:
+        assert max(len(rows) for rows in run.round_rows) > 1  # rounds really were shared
+
+
+def test_streams_joining_between_rounds_and_a_cancelled_neighbour_change_no_reply(target, drafter, references):
+    reqs = requests()
+    run = drafted_run(target, drafter, 3)
+    run.submit(0, reqs[0])
+    for _ in range(3):
+        run.step()
+    run.submit(1, reqs[1])
+    run.submit(2, reqs[2])
+    run.step()
+    run.submit(3, reqs[3])
+    run.step()
+    run.engine.cancel(2)
+    run.submit(4, reqs[4])
+    run.submit(5, reqs[7])
+    run.finish()
+    assert run.done(2).finish_reason == "cancelled"
+    for sid, ref in [(0, 0), (1, 1), (3, 3), (4, 4), (5, 7)]:
+        assert run.tokens(sid) == references[ref], f"stream {sid}"
+
+
+def committed_cache(target, tokens):
+    """A target cache holding `tokens` (their tapped rows staged), as the lane core leaves one before a round."""
+    cache = target.new_cache(64)
+    target.forward([cache], [tokens], [0])
+    target.keep(cache, len(tokens))
+    return cache
+
+
+def test_prompt_rows_are_absorbed_before_the_chain_and_a_rounds_verified_rows_by_the_next_hold(target, drafter):
+    drafter.shed_kept()
+    tokens = PROMPT + [9]
+    cache = committed_cache(target, PROMPT)
+    assert drafter.catch_up([DraftAsk(11, tokens, 3, cache=cache)]) == len(PROMPT) > CATCH_UP_ROWS
+    lane = drafter.lanes[11]
+    drafts = drafter.propose([DraftAsk(11, tokens, 3, cache=cache)])[0]
+    # the round verifies the pending token and one draft
+    target.forward([cache], [[9] + drafts], [0])
+    target.keep(cache, 2)
+    tokens = tokens + [drafts[0] if drafts else 9, 17]
+    assert drafter.catch_up([DraftAsk(11, tokens, 3, cache=cache)]) == 0 and lane.n == len(PROMPT)
+    drafter.propose([DraftAsk(11, tokens, 3, cache=cache)])
+    assert lane.n == lane.whole == len(tokens) - 1 == cache.offset
+    drafter.release(11)
+
+
+def test_a_probe_absorbs_only_its_bound_of_rows_and_still_drafts(target, drafter):
+    drafter.shed_kept()  # no kept lane to start from
+    cache = committed_cache(target, PROMPT)
+    drafts = drafter.propose([DraftAsk(12, PROMPT + [9], 3, catch_up=4, cache=cache)])[0]
+    lane = drafter.lanes[12]
+    assert (lane.n, lane.end, lane.whole) == (4, len(PROMPT), 0) and 1 <= len(drafts) <= 3
+    drafter.release(12)
+    assert all(kept is not lane for kept in drafter.kept)  # a cut lane has no prefix to share
+
+
+def test_a_released_lane_is_taken_over_by_a_stream_sharing_its_prefix_and_gives_way_when_shed(target, drafter):
+    drafter.shed_kept()
+    drafter.propose([DraftAsk(13, PROMPT + [9], 2, cache=committed_cache(target, PROMPT))])
+    drafter.release(13)
+    assert drafter.kept_bytes() > 0
+    reuses = drafter.stats["lane_reuses"]
+    drafter.propose([DraftAsk(14, PROMPT[:12] + [5], 2, cache=committed_cache(target, PROMPT[:12]))])
+    assert drafter.stats["lane_reuses"] == reuses + 1 and drafter.lanes[14].n == 12
+    drafter.release(14)
+    assert drafter.shed_kept() > 0 and drafter.kept_bytes() == 0
+
+
+@pytest.fixture(scope="module")
+def markov_only(tmp_path_factory, target, target_dir):
+    """A drafter whose final norm is zero, so the target's head gives zeros and the Markov head alone decides:
+    after token 50 it scores ids 70 and 60 equally, after any other token every id ties."""
+    config = dspark_config(target_dir)
+    weights = dspark_weights(config)
+    weights["norm.weight"][:] = 0
+    w1, w2 = weights["markov_head.markov_w1.weight"], weights["markov_head.markov_w2.weight"]
+    w1[:], w2[:] = 0, 0
+    w1[50, 0], w2[70, 0], w2[60, 0] = 8.0, 8.0, 8.0
+    path = write_dspark(tmp_path_factory.mktemp("markov") / "markov", target_dir, config, weights)
+    started = start_drafter(str(path), target, Checkpoint.open(target_dir).tokenizer())
+    yield started
+    started.close()
+
+
+def test_the_markov_head_picks_each_draft_after_the_one_before_it_ties_going_to_the_lowest_id(target, markov_only):
+    tokens = PROMPT + [50]
+    drafts = markov_only.propose([DraftAsk(21, tokens, 4, cache=committed_cache(target, PROMPT))])[0]
+    assert drafts == [60, 0]  # 60 over 70; then every id ties: 0, the eos, which ends the chain
+    chances = markov_only.chances[21]
+    assert len(chances) == 2 and 1 >= chances[0] >= chances[1] > 0  # a running product of sigmoids
+    markov_only.release(21)
+
+
+def test_each_block_row_sees_the_whole_context_and_every_row_of_its_block(drafter):
+    model, rng = drafter.model, mx.random.key(3)
+    lane = Lane(*drafter.shape, 64, drafter.dtype)
+    context = model.context_rows(mx.random.normal((6, 3 * 64), key=rng))
+    for layer, per_span in enumerate(model.context(context, [(0, 6, 0)])):
+        lane.write(layer, *per_span[0])
+    lane.advance(0, 6)
+    h = mx.random.normal((4, 64), key=mx.random.key(4))
+    four = model.blocks(h, [Block(0, 4, 6, lane)])
+    one = model.blocks(h[:1], [Block(0, 1, 6, lane)])
+    assert not mx.allclose(four[0], one[0])  # row 0 read the rows after it: the block is not causal
+    lane.n = 3
+    assert not mx.allclose(model.blocks(h, [Block(0, 4, 6, lane)])[0], four[0])  # and it read the context
