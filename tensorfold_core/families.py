@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import MISSING, fields
 from functools import partial
 from typing import NamedTuple, Protocol, Sequence
@@ -24,6 +26,11 @@ class ConfigArgs:
         missing = [f.name for f in fields(cls) if f.default is MISSING and config.get(f.name) is None]
         if missing:
             raise CheckpointError(f"{source}: missing {', '.join(missing)}")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.name in config and not _fits(config[f.name], hints[f.name]):
+                raise CheckpointError(f"{source}: {f.name} is {config[f.name]!r} ({_json_kind(config[f.name])}), "
+                                      f"expected {_json_kind_of(hints[f.name])}")
         names = {f.name for f in fields(cls)}
         args = cls(**{k: v for k, v in config.items() if k in names})
         args.check(source)
@@ -31,6 +38,40 @@ class ConfigArgs:
 
     def check(self, source: str) -> None:
         """Refuse a config the family cannot serve, naming the key."""
+
+
+_JSON_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "a list", type(None): "null"}
+
+
+def _fits(value, annotation) -> bool:
+    """Whether a config.json value has the type a config field declares (an int is a float; a bool is not an int)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value) if args else isinstance(value, list)
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in (bool, str, list, type(None)):
+        return isinstance(value, annotation)
+    return True  # a type config.json cannot spell: the family's check() judges it
+
+
+def _json_kind(value) -> str:
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _json_kind_of(annotation) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_json_kind_of(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is list:
+        return f"a list of {_json_kind_of(typing.get_args(annotation)[0]).split(' ', 1)[-1]}s"
+    return _JSON_KINDS.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
 @partial(mx.compile, shapeless=True)

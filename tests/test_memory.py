@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -99,7 +101,7 @@ def test_two_requests_that_each_fit_alone_wait_for_each_other_and_pass_in_turn(p
     assert host.ledger.by_kind().get("kept_drafter_slots", 0) > 0  # the second runs beside the first's slot
     driver.finish()
     assert driver.done(first).finish_reason == "length" and driver.done(second).finish_reason == "length"
-    assert host.admission.waits > 0
+    assert host.admission.waits == 1  # the second stream, once, however many loops it waited
     kinds = host.ledger.by_kind()
     assert kinds.get("stream_cache", 0) == 0 and kinds.get("drafter_slot", 0) == 0
     assert kinds.get("kept_drafter_slots", 0) > 0  # the first's slot stayed beside the second
@@ -111,6 +113,21 @@ def test_a_request_that_can_never_fit_is_refused_at_once_with_the_numbers(pair):
     with pytest.raises(RequestError, match=r"GiB") as refused:
         host.submit(GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=400), lambda e: None)
     assert refused.value.status == 400 and refused.value.code == "memory_budget_exceeded"
+
+
+def test_a_refusal_for_the_budget_names_bytes_and_the_max_tokens_that_would_fit(pair):
+    probe = make_host(pair, GIB)
+    host = make_host(pair, probe.admission.price(200))
+    with pytest.raises(RequestError) as refused:
+        host.submit(GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=400), lambda e: None)
+    message = str(refused.value)
+    need = int(re.search(r"needs ([\d,]+) bytes", message).group(1).replace(",", ""))
+    budget = int(re.search(r"budget of ([\d,]+) bytes", message).group(1).replace(",", ""))
+    assert need > budget  # bytes, never two roundings that read equal
+    fits = int(re.search(r"send max_tokens of at most (\d+)", message).group(1))
+    host.submit(GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=fits), lambda e: None)
+    with pytest.raises(RequestError):
+        host.submit(GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=fits + 1), lambda e: None)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from .. import __version__
 from ..options import ServeOptions
 from ..errors import RequestError
-from . import errors
+from . import errors, openapi
 from .edge import Edge, redact_paths
 from .choices import Choices
 from .generation import ClientGone, Generation, Step
@@ -37,6 +37,7 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
     app.state.host = host
     app.state.created = int(time.time())
     errors.install(app)
+    openapi.install(app)
     app.state.edge = edge = Edge.from_options(options or ServeOptions())
     edge.install(app)
     grammars = Grammars(host.tokenizer)
