@@ -17,7 +17,7 @@ from tensorfold_core.specs import DrafterOptions
 
 from .lane import Lane
 from .load import BITS, args_of, load
-from .model import Block, Model, Span
+from .model import Block, Model, Span, markov_pick
 
 CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood aside) is absorbed before the chain
 WARM_UP_ID = -1  # a stream id no lane core hands out
@@ -208,9 +208,8 @@ class DSparkDrafter:
             m = sum(1 for d in depths if d > step)
             at = mx.array([block.start + step for block in blocks[:m]])
             previous = previous[:m]
-            scores = logits[at] + self.model.markov(previous)
-            token = mx.argmax(scores, axis=-1)  # ties go to the lowest id, as the target's greedy draw
-            flags.append(mx.any(mx.isnan(scores), axis=-1))
+            token, flag = markov_pick(logits[at], self.model.markov_head, previous)
+            flags.append(flag)
             chance = self.model.confidence(final[at], previous)
             if chance is not None:
                 chances.append(chance)

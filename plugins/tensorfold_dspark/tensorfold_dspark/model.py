@@ -193,6 +193,18 @@ class MarkovHead(nn.Module):
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
 
+    def __call__(self, previous: mx.array) -> mx.array:
+        """W2 W1[previous]: float32 logits to add to the rows that follow those tokens."""
+        return self.markov_w2(self.markov_w1(previous)).astype(mx.float32)
+
+
+def markov_pick(logits: mx.array, head: MarkovHead, previous: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's draft after its `previous` token: the first largest of logits + W2 W1[previous] (ties to the
+    lowest id, a NaN never wins), and whether the row held a NaN score (the kernel record `dspark markov pick`)."""
+    scores = logits + head(previous)
+    nan = mx.isnan(scores)
+    return mx.argmax(mx.where(nan, -mx.inf, scores), axis=-1), mx.any(nan, axis=-1)
+
 
 class ConfidenceHead(nn.Module):
     """One logit per draft row from its final row (and W1 of the token before it): sigmoid(logit + bias)."""
@@ -240,11 +252,6 @@ class Model(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, blocks, i)
         return self.norm(h)
-
-    def markov(self, previous: mx.array) -> mx.array:
-        """W2 W1[previous]: float32 logits to add to the rows that follow those tokens."""
-        head = self.markov_head
-        return head.markov_w2(head.markov_w1(previous)).astype(mx.float32)
 
     def confidence(self, rows: mx.array, previous: mx.array) -> mx.array | None:
         """sigmoid(logit + bias) per draft row: how likely the draft there is the target's (None: no head)."""

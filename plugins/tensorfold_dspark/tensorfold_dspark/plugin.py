@@ -22,3 +22,10 @@ def tensorfold_drafters():
     return [DrafterKind(name="dspark", matches=_drafter_call("matches"), admit=_drafter_call("admit"),
                         start=_drafter_call("start"),
                         description="DSpark: block drafts from the target's layer taps, Markov and confidence heads")]
+
+
+@hookimpl
+def tensorfold_kernels():
+    from .kernels import RECORD  # mlx and the contract load only when the contract runs
+
+    return [RECORD]
