@@ -6,6 +6,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -189,6 +190,14 @@ class Host:
         return {"running": len(self.engine.streams), "waiting": self.queued(), "ledger": memory["held_by_kind"],
                 "budget": memory["budget_bytes"], "prompt_cache": memory.get("prompt_cache", {}),
                 "spec": self.engine.counters.snapshot()}
+
+    def streams_report(self) -> list[dict]:
+        """Each stream decoding now: its tokens, tokens/s since it was admitted, drafts offered and kept."""
+        now = time.monotonic()
+        return [{"id": s.id, "prompt_tokens": s.prompt_len, "generated": s.generated, "rounds": s.stats.rounds,
+                 "drafted": s.stats.drafted, "accepted": s.stats.accepted,
+                 "tokens_per_s": s.generated / max(now - s.admitted, 1e-3)}
+                for s in list(self.engine.streams.values())]
 
     def capabilities(self) -> dict:
         live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,6 +42,7 @@ class Stream:
     cancelled: bool = False
     finish_reason: str | None = None
     stage: RowStage | None = None  # the engine's per-row logits stage for this stream, made when it joins
+    admitted: float = field(default_factory=time.monotonic)  # for the dashboard's tokens/s only, never a decision
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt_ids)

@@ -69,6 +69,7 @@ class SpecCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_DEPTH)
+    offered_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_DEPTH)
     verdicts: dict[str, int] = field(default_factory=lambda: {"drafted": 0, "plain": 0})  # windows that could draft
     cut_by_grammar: int = 0  # drafts cut before the verify because the grammar refused them
 
@@ -79,8 +80,11 @@ class SpecCounters:
             self.accepted_tokens += accepted
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
+            for position in range(drafted):
+                self.offered_per_position[position] += 1
 
     def snapshot(self) -> dict:
         return {"num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
                 "num_accepted_tokens": self.accepted_tokens, "accepted_per_position": list(self.accepted_per_position),
+                "offered_per_position": list(self.offered_per_position),
                 "verdicts": dict(self.verdicts), "cut_by_grammar": self.cut_by_grammar}

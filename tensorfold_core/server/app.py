@@ -12,6 +12,7 @@ from .. import __version__
 from ..options import ServeOptions
 from ..errors import RequestError
 from . import errors, openapi
+from .dashboard import install as install_dashboard
 from .edge import Edge, redact_paths
 from .choices import Choices
 from .generation import ClientGone, Generation, Step
@@ -40,6 +41,7 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
     openapi.install(app)
     app.state.edge = edge = Edge.from_options(options or ServeOptions())
     edge.install(app)
+    install_dashboard(app, host)
     grammars = Grammars(host.tokenizer)
     metrics = Metrics(host)
     install_metrics(app, metrics)

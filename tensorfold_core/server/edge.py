@@ -23,7 +23,8 @@ from .shutdown import Drain
 log = logging.getLogger("tensorfold.server")
 
 API_KEY_ENV = "TENSORFOLD_API_KEY"
-OPEN_PATHS = frozenset({"/health"})  # a load balancer's probe needs no key
+# a load balancer's probe needs no key; nor does the dashboard's page, which holds no data (its fetches send the key)
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this, so the client sees its 413
 _GIVEN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -148,7 +149,7 @@ class EdgeMiddleware:
             return error_response(f"this server does not answer for the host {host_name(host)!r} (--allowed-hosts)",
                                   400, code="host_not_allowed", headers={"Connection": "close"})
         if edge.drain.draining:
-            if path in OPEN_PATHS:
+            if path == "/health":
                 return _draining_health()
             return error_response("the server is shutting down and takes no new requests", 503,
                                   code="server_shutting_down",

@@ -28,5 +28,8 @@ class ServedHost(Protocol):
     def capabilities(self) -> dict:
         """What the install can do and how this host serves."""
 
+    def streams_report(self) -> list[dict]:
+        """Each stream decoding now: id, prompt_tokens, generated, rounds, drafted, accepted, tokens_per_s."""
+
     def metrics(self) -> dict:
         """Counters for /metrics: running, waiting, ledger bytes by kind, budget, prompt cache, spec decoding."""
