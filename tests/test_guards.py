@@ -128,12 +128,56 @@ def test_a_modes_first_round_is_not_measured():
     assert guard.drafted(2)
 
 
-def test_each_stream_count_keeps_its_own_verdict():
+def test_a_measuring_stretch_leaves_out_the_drafters_catch_up_and_a_run_pays_it():
+    guard, modes = SharedGuard(), []
+    for _ in range(17 + 5 + 512 + 17 + 3):
+        mode = guard.drafted(2)
+        # every drafted round spends 100 ms feeding the drafter: 6 tokens in 115 ms lose to 2 in 10
+        guard.observe(2, mode, *((6, 115.0, 100.0) if mode else (2, 10.0, 0.0)))
+        modes.append(mode)
+    # measured, drafting wins without the catch-up; over its run it pays it, loses, and plain runs
+    assert runs(modes) == [(False, 17), (True, 5 + 512), (False, 17 + 3)]
+
+
+def test_stream_counts_share_a_verdict_by_bands_1_2_3_to_4_5_to_8_9_to_16():
+    bands = [[n for n in range(1, 33) if SharedGuard.band(n) == band] for band in sorted(
+        {SharedGuard.band(n) for n in range(1, 33)})]
+    assert bands == [[1], [2], [3, 4], list(range(5, 9)), list(range(9, 17)), list(range(17, 33))]
+
+
+@pytest.mark.parametrize("drafted, wins", [((24, 15.0), True), ((12, 15.0), False)])
+def test_rounds_at_7_and_6_streams_run_the_verdict_measured_at_8(drafted, wins):
+    guard = SharedGuard()
+    run_shared(guard, 17 + 5, streams=8, plain=(8, 10.0), drafted=drafted)
+    assert guard.drafted(8) is wins
+    # as streams finish the count walks down within the band, and the winner's run goes on where it was
+    modes = run_shared(guard, 200, streams=7) + run_shared(guard, 312 - 1, streams=6)
+    assert modes == [wins] * 511 and guard.drafted(5) is wins
+    run_shared(guard, 1, streams=6)
+    assert guard.drafted(6) is not wins  # the run of 512 is over: the other mode is measured again
+
+
+def test_2_and_3_streams_keep_apart_verdicts():
     guard = SharedGuard()
     for _ in range(30):
         run_shared(guard, 3, streams=2)
         run_shared(guard, 3, streams=3, drafted=(6, 60.0))
-    assert guard.drafted(2) and not guard.drafted(3)
+    assert guard.drafted(2) and not guard.drafted(3) and not guard.drafted(4)
+
+
+def test_a_stream_leaving_is_no_modes_first_round_but_a_stream_joining_is():
+    def plain_rounds(counts):
+        guard = SharedGuard()
+        for n, streams in enumerate(counts, start=1):
+            guard.observe(streams, False, streams, 10.0)
+            if guard.drafted(streams):  # the plain stretch is measured: the guard moves on to drafted rounds
+                return n
+        return None
+
+    # a mode's first round is left out; after it, 16 measured rounds whether or not a stream left
+    assert plain_rounds([8] + [7] * 20) == 17
+    # a stream joining at round 6 makes the next round a first round again
+    assert plain_rounds([7] * 5 + [8] * 20) == 18
 
 
 BAND = LoneGuard.band(True, 1000)
@@ -289,7 +333,7 @@ def test_shared_rounds_do_not_feed_the_cost_line():
 
 
 @pytest.mark.parametrize("copy", [False, True])
-def test_the_shared_guard_turns_drafts_off_where_a_shared_round_pays_beyond_the_lone_line(copy):
+def test_a_shared_round_dearer_than_the_lone_line_prices_its_drafts_out_by_its_own_line(copy):
     def shared_dear(depths):  # drafted shared rounds pay per stream what no lone round shows
         return fast(depths) + (25.0 * len(depths) if len(depths) > 1 and sum(depths) else 0.0)
 
@@ -297,10 +341,24 @@ def test_the_shared_guard_turns_drafts_off_where_a_shared_round_pays_beyond_the_
     planner = DraftPlanner(clock=clock)
     drive(planner, clock, 100, [0.9], round_ms=shared_dear, step_ms=0.5, copy=copy)
     log = drive(planner, clock, 600, [0.9, 0.9, 0.9], round_ms=shared_dear, step_ms=0.5, copy=copy)
-    # 16 plain rounds and 4 drafted ones measured, then plain's run (copies off too), then drafting measured again
-    assert runs([sum(depths) > 0 for depths in log]) == [(False, 17), (True, 5), (False, 512), (True, 5), (False, 61)]
+    # 16 plain rounds measured, one drafted round teaches the band's line, then only ever rarer probes draft
+    spans = runs([sum(depths) > 0 for depths in log])
+    assert spans[:2] == [(False, 17), (True, 1)] and sum(n for drafted, n in spans if drafted) <= 8
     log = drive(planner, clock, 600, [0.9, 0.9], round_ms=fast, step_ms=0.5, copy=copy)
     assert sum(1 for depths in log if sum(depths)) > 550
+
+
+def test_shared_rounds_whose_rows_cost_little_draft_though_lone_rounds_say_rows_are_dear():
+    def lone_dear(depths):  # a lone round's second row looks dear (a noisy fit on one- and two-row rounds)
+        return 10.0 + (20.0 * sum(depths) if len(depths) == 1 else 0.1 * sum(d + 1 for d in depths))
+
+    clock = FakeClock()
+    planner = DraftPlanner(clock=clock)
+    drive(planner, clock, 100, [0.9], round_ms=lone_dear, step_ms=0.5)
+    assert planner.costs.line()[1] > 10.0
+    log = drive(planner, clock, 600, [0.9, 0.9, 0.9], round_ms=lone_dear, step_ms=0.5)
+    assert runs([sum(depths) > 0 for depths in log])[:2] == [(False, 17), (True, 5 + 512)]
+    assert planner.shared_costs[SharedGuard.band(3)].line()[1] < 1.0 and planner.costs.line()[1] > 10.0
 
 
 def test_a_stream_that_stood_aside_comes_back_to_drafting_when_its_probe_lands():

@@ -164,3 +164,11 @@ def test_a_stream_rides_a_neighbours_chain_because_chains_run_side_by_side():
     # alone its steps cost more than its drafts land; beside a deep chain its steps are already paid for
     assert lone_depth(middling, costs, 8) == 0
     assert shared_depths([good, middling], costs, [8, 8])[1] > 0
+
+
+def test_a_shared_round_is_timed_by_a_line_of_rounds_like_it_where_one_was_timed():
+    acceptances, depths = [acceptance_of(0.8, seed=s) for s in range(4)], [6] * 4
+    lone = costs_of(10.0, 20.0, step=0.5)  # rows look dear to the lone line
+    assert sum(shared_depths(acceptances, lone, depths)) == 0
+    assert shared_depths(acceptances, lone, depths, rounds=Costs()) == shared_depths(acceptances, lone, depths)
+    assert sum(shared_depths(acceptances, lone, depths, rounds=costs_of(10.0, 0.1))) > 8

@@ -13,8 +13,8 @@ FIRST_GAP = 64  # plain rounds a stream stands aside before its first probe
 MAX_GAP = 1024  # the most plain rounds between two probes of a stream standing aside
 LOOK_AHEAD_ROUNDS = 1  # plain rounds an armed probe may see before its drafts reach a window
 MARGIN = 1.05  # drafted rounds must beat plain ones by this factor to be kept
-SHARED_MEASURE_PLAIN = 16  # measured rounds that give a stream count's plain rate
-SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a stream count's drafted rate
+SHARED_MEASURE_PLAIN = 16  # measured rounds that give a band of stream counts its plain rate
+SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a band of stream counts its drafted rate
 SHARED_RUN = 512  # rounds the faster mode runs before the other one is measured again
 SHARED_RUN_GROWTH = 64  # a mode that keeps winning runs up to this many times SHARED_RUN
 LONE_STRETCH = 16  # measured rounds in a lone stream's drafted stretch (and in a plain one taken to compare)
@@ -92,8 +92,8 @@ class StandAside:
             self.count += 1
 
 
-class _Count:
-    """A stream count's guard state: the mode, whether it is measured or run, and each mode's last rate."""
+class _CountBand:
+    """A band of stream counts' guard state: the mode, whether it is measured or run, and each mode's last rate."""
 
     def __init__(self, run: int):
         self.drafted = False  # it starts plain
@@ -105,51 +105,61 @@ class _Count:
 
 
 class SharedGuard:
-    """Per stream count: committed tokens per wall ms of plain and drafted stretches; runs the faster mode."""
+    """Per band of stream counts: committed tokens per wall ms of plain and drafted stretches; runs the faster mode."""
 
     def __init__(self, measure_plain: int = SHARED_MEASURE_PLAIN, measure_drafted: int = SHARED_MEASURE_DRAFTED,
                  run: int = SHARED_RUN, growth: int = SHARED_RUN_GROWTH, margin: float = MARGIN):
         self.measure = {False: measure_plain, True: measure_drafted}
         self.first_run, self.max_run, self.margin = run, run * growth, margin
-        self._counts: dict[int, _Count] = {}
-        self._last: tuple[int, bool] | None = None
+        self._bands: dict[int, _CountBand] = {}
+        self._last: tuple[int, bool] | None = None  # the last shared round's streams and mode
 
-    def _count(self, streams: int) -> _Count:
-        entry = self._counts.get(streams)
+    @staticmethod
+    def band(streams: int) -> int:
+        """The key a stream count's verdict is kept under: 1, 2, 3-4, 5-8, 9-16, ... share one each."""
+        # an exact count starves: as streams finish the count walks down, and each new key would start plain
+        return max(streams - 1, 0).bit_length()
+
+    def _band(self, streams: int) -> _CountBand:
+        key = self.band(streams)
+        entry = self._bands.get(key)
         if entry is None:
-            entry = self._counts[streams] = _Count(self.first_run)
+            entry = self._bands[key] = _CountBand(self.first_run)
         return entry
 
     def drafted(self, streams: int) -> bool:
         """Whether a round of this many streams drafts (False: a plain round, drafts off)."""
-        return self._count(streams).drafted
+        return self._band(streams).drafted
 
     def run_length(self, streams: int) -> int:
-        """Rounds the current winner at this stream count runs before the other mode is measured again."""
-        return self._count(streams).run
+        """Rounds the current winner in this count's band runs before the other mode is measured again."""
+        return self._band(streams).run
 
     def interrupt(self) -> None:
         """A round this guard did not see ran (a lone one): the next round here is a first round."""
         self._last = None
 
-    def observe(self, streams: int, drafted: bool, tokens: int, ms: float) -> None:
-        """A round of `streams` streams in mode `drafted` committed `tokens` in `ms` of wall time."""
-        entry = self._count(streams)
+    def observe(self, streams: int, drafted: bool, tokens: int, ms: float, catch_up: float = 0.0) -> None:
+        """A round of `streams` streams in mode `drafted` committed `tokens` in `ms`, `catch_up` of them catching up."""
+        entry = self._band(streams)
         if drafted != entry.drafted:  # not the mode this guard asked for: it measures nothing
             self._last = None
             return
-        # a mode's first round still carries the last round's drafts or their absence
-        first = self._last != (streams, drafted)
+        # a mode's first round still carries the last round's drafts or their absence, and a joining stream's first
+        # drafts its drafter's catch-up; a stream leaving changes neither, so the round after it is measured
+        first = self._last is None or self._last[1] != drafted or streams > self._last[0]
         self._last = (streams, drafted)
         entry.stretch.rounds += 1
         if not first:
-            entry.stretch.add(tokens, ms)
+            # drafts after plain rounds first catch up what those rounds committed: a switch's cost, once, that a
+            # 4-round stretch would read as drafting's; a run's long stretch pays its catch-up like any other time
+            entry.stretch.add(tokens, ms if entry.running else ms - catch_up)
         done = (entry.stretch.rounds >= entry.run if entry.running
                 else entry.stretch.measured >= self.measure[entry.drafted])
         if done:
             self._next(entry)
 
-    def _next(self, entry: _Count) -> None:
+    def _next(self, entry: _CountBand) -> None:
         if entry.stretch.measured:
             entry.rates[entry.drafted] = entry.stretch.rate
         other = not entry.drafted
@@ -162,7 +172,7 @@ class SharedGuard:
         self._set(entry, winner, running=True)
 
     @staticmethod
-    def _set(entry: _Count, drafted: bool, running: bool) -> None:
+    def _set(entry: _CountBand, drafted: bool, running: bool) -> None:
         entry.drafted, entry.running, entry.stretch = drafted, running, _Stretch()
 
 
@@ -318,6 +328,7 @@ class _Round:
     drafted: bool
     measured: bool
     start: float | None
+    planned: float | None = None
     caught_up: float | None = None
     proposed: float | None = None
 
@@ -331,6 +342,9 @@ class DraftPlanner:
         # follow acceptance alone; `clock` returns seconds, and costs and rates are kept in ms
         self.timed, self._clock = timed, clock
         self.costs = Costs()
+        # shared rounds' own lines, per band of stream counts: they pay per-stream costs the lone line must not
+        # learn, and a lone line fitted on rounds of one or two rows misjudges what a row of a 30-row round costs
+        self.shared_costs: dict[int, Costs] = {}
         self.shared = SharedGuard()
         self.lone = LoneGuard()
         self._prior = Acceptance(prior)
@@ -380,7 +394,8 @@ class DraftPlanner:
                 priced = [lone_depth(lanes[0].acceptance, self.costs, asks[0].max_depth, not asks[0].copy)]
             else:
                 priced = shared_depths([lane.acceptance for lane in lanes], self.costs,
-                                       [a.max_depth for a in asks], [not a.copy for a in asks], extra_rows)
+                                       [a.max_depth for a in asks], [not a.copy for a in asks], extra_rows,
+                                       self.shared_costs.get(SharedGuard.band(len(asks))))
             for i, (ask, lane) in enumerate(zip(asks, lanes)):
                 if ask.max_depth <= 0:
                     continue
@@ -389,7 +404,7 @@ class DraftPlanner:
                 depths[i] = min(lane.aside.depth(priced[i], probe), ask.max_depth)
                 consulted[i] = True
         # a round carrying a prompt chunk or no decoding stream tells neither mode's rate
-        self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start)
+        self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start, self._now())
         return depths
 
     def caught_up(self) -> None:
@@ -429,11 +444,15 @@ class DraftPlanner:
         lone = done.measured and len(done.asks) == 1
         if lone:  # shared rounds pay per-stream costs a lone round's line must not learn
             self.costs.observe_round(1 + verified[0].offered, end - forward_start)
+        elif done.measured and len(done.asks) >= 2:
+            line = self.shared_costs.setdefault(SharedGuard.band(len(done.asks)), Costs())
+            line.observe_round(sum(1 + v.offered for v in verified), end - forward_start)
         tokens, ms = sum(v.committed for v in verified), end - done.start
+        catch_up = done.caught_up - done.planned if done.caught_up is not None else 0.0
         # a drafted round whose windows held no drafts is a plain one in disguise: it tells neither rate
         told = done.measured and (not done.drafted or any(v.offered for v in verified))
         if told and len(done.asks) >= 2:
-            self.shared.observe(len(done.asks), done.drafted, tokens, ms)
+            self.shared.observe(len(done.asks), done.drafted, tokens, ms, catch_up)
         else:
             self.shared.interrupt()
         if told and lone and not done.asks[0].copy:

@@ -93,6 +93,11 @@ class Costs:
         self._steps = self._steps * self._decay + steps
         self._chain_ms = self._chain_ms * self._decay + ms
 
+    @property
+    def timed(self) -> bool:
+        """Whether a round was timed: before that the line is the prior's, in units of a plain round."""
+        return self._w > 0.0
+
     def line(self) -> tuple[float, float]:
         """(ms a round pays whatever its rows, ms a row adds); before any timing, in units of a plain round."""
         if self._w == 0.0:
@@ -137,12 +142,14 @@ def lone_depth(acceptance: Acceptance, costs: Costs, max_depth: int, step_cost: 
 
 
 def shared_depths(acceptances: Sequence[Acceptance], costs: Costs, max_depths: Sequence[int],
-                  step_cost: bool | Sequence[bool] = True, extra_rows: int = 0) -> list[int]:
+                  step_cost: bool | Sequence[bool] = True, extra_rows: int = 0,
+                  rounds: Costs | None = None) -> list[int]:
     """Each stream's depth for the round's most tokens per ms, priced as a whole; 0 only where drafting doesn't pay."""
     n = len(acceptances)
     # step_cost False (for all, or per stream) marks copy drafts: they cost rows but no drafter steps
     steps = [step_cost] * n if isinstance(step_cost, bool) else list(step_cost)
-    round_ms, step = _timer(costs), costs.step_ms()
+    # `rounds`: a line timed on rounds like this one, where there is one; else the lone line times it
+    round_ms, step = _timer(rounds if rounds is not None and rounds.timed else costs), costs.step_ms()
     base_rows = n + extra_rows  # extra rows carry no drafts (a prompt chunk) but lengthen the round
     best, best_rate = [0] * n, n / round_ms(base_rows)
     # a stream's k-th draft adds reach[k-1] tokens for one row; reaches fall with depth, so the best m offers
