@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -60,3 +60,47 @@ def call(kind: str, implementation, served: ServedCall) -> dict:
                       threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
                       output_dtypes=list(launch.output_dtypes))
     return implementation.outputs(list(outs), served)
+
+
+class Prepared:
+    """One implementation bound to a serving module: built once, and for each row count its launch and the arrays
+    that do not change worked out once, so that a call is one kernel launch (no ServedCall, Launch or dims array).
+
+    `fixed()` gives the module's own arrays (weights) by input name, read at every call, so new weights are served;
+    `row_input` names the per-row input. An input the implementation makes itself (a dims array) is kept per row
+    count; where it casts or reshapes the row input, every call goes through its `inputs` again."""
+
+    def __init__(self, kind: str, implementation, dims: Mapping[str, Any], fixed: Callable[[], Mapping[str, Any]],
+                 row_input: str):
+        self.kind, self.implementation, self.dims, self.fixed, self.row_input = \
+            kind, implementation, dims, fixed, row_input
+        self._plans: dict[int, tuple] = {}
+
+    def __call__(self, x) -> dict:
+        """The implementation's outputs by name for the rows of `x` (lazily, as any MLX op)."""
+        arrays = {**self.fixed(), self.row_input: x}
+        if not isinstance(self.implementation, Source):
+            return self.implementation(ServedCall(x.shape[0], self.dims, arrays))
+        plan = self._plans.get(x.shape[0])
+        if plan is None:
+            plan = self._plans[x.shape[0]] = self._plan(x, arrays)
+        kernel, slots, made, launch = plan
+        if kernel is None:
+            return call(self.kind, self.implementation, ServedCall(x.shape[0], self.dims, arrays))
+        inputs = [arrays[name] if name is not None else array for name, array in zip(slots, made)]
+        outs = kernel(inputs=inputs, **launch)
+        return dict(zip(self.implementation.output_names, outs))
+
+    def _plan(self, x, arrays) -> tuple:
+        """(kernel, input names, made inputs, launch arguments); kernel None: call through `call` each time."""
+        source, served = self.implementation, ServedCall(x.shape[0], self.dims, arrays)
+        launch = source.launch(served)
+        inputs = source.inputs(served)
+        by_id = {id(array): name for name, array in arrays.items()}
+        slots = [by_id.get(id(array)) for array in inputs]
+        if 0 in launch.grid or self.row_input not in slots or source.finish is not None:
+            return None, (), (), {}
+        made = [None if name is not None else array for name, array in zip(slots, inputs)]
+        return (_kernel(self.kind, source, launch.dynamic_shared), slots, made,
+                dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
+                     output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes)))

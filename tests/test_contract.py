@@ -383,7 +383,7 @@ def test_the_bf16_gemv_cuda_tail_control_edits_a_path_that_an_edge_shape_runs():
 
     record = next(r.record for r in discover() if r.record is not None and r.record.name == "llama gemv bf16")
     control = next(c for c in record.controls if c.kind == "cuda" and c.name == "dropped tail element")
-    # the edited loop takes the inputs past the last whole 8-input chunk: all of them where K % 8 != 0, none else
-    assert "k < K - 1; k += 32" in control.plant(record.implementations["cuda"]).body
+    # the edited element-wise loads run where rows are off the 16-byte loads: where K % 8 != 0, nowhere else
+    assert "(k + 2 * e < K - 1)" in control.plant(record.implementations["cuda"]).header
     assert [s.label for s in record.edges if s.dims["k"] % 8 and s.rows] == ["K=203, not a multiple of 8"]
     assert control.gate == 3

@@ -9,8 +9,6 @@ from tensorfold_core.kernels import BUILTIN, RECORDS_KIND, backend, served
 
 from .ops import OPS
 
-GEMV_ROWS = 16  # the most rows one call of the GEMV records takes: wider calls go in blocks of 16 rows
-
 
 def _records() -> dict:
     from .kernels import records
@@ -43,47 +41,56 @@ class Served(nn.Module):
 
 
 class RecordLinear(Served):
-    """A projection (or a tied head) served by a GEMV record's implementation, in blocks of at most 16 rows."""
+    """A projection (or a tied head) served by a GEMV record's implementation: one launch for all of a forward's
+    rows, bf16 out (the record's served output), the weights read once per block of rows."""
 
     def __init__(self, inner: nn.Module, record, kind: str):
-        super().__init__()
-        self.inner, self.kind = inner, kind  # the projection's weights stay its own, under `inner`
-        self.implementation = record.implementations[kind]
+        from tensorfold_contract.serving import Prepared
 
-    def _arrays(self) -> tuple[dict, dict]:
-        m = self.inner
+        from .kernels.gemv import OUT
+
+        super().__init__()
+        self.inner = inner  # the projection's weights stay its own, under `inner`
+        m = inner
         if isinstance(m, nn.QuantizedLinear):
-            return ({"wq": m.weight, "scales": m.scales, "biases": m.biases},
-                    {"n": m.weight.shape[0], "k": m.weight.shape[1] * 32 // m.bits, "group": m.group_size})
-        return {"w": m.weight}, {"n": m.weight.shape[0], "k": m.weight.shape[1]}
+            dims = {"n": m.weight.shape[0], "k": m.weight.shape[1] * 32 // m.bits, "group": m.group_size}
+            weights = lambda: {"wq": m.weight, "scales": m.scales, "biases": m.biases}  # noqa: E731
+        else:
+            dims = {"n": m.weight.shape[0], "k": m.weight.shape[1]}
+            weights = lambda: {"w": m.weight}  # noqa: E731
+        # kept out of the module tree: a plain attribute MLX's parameter walk never enters
+        object.__setattr__(self, "launch", Prepared(kind, record.implementations[kind], {**dims, "out": OUT},
+                                                   weights, "x"))
+        object.__setattr__(self, "biased", "bias" in inner)
 
     def __call__(self, x: mx.array) -> mx.array:
-        from tensorfold_contract.serving import ServedCall, call
-
-        weights, dims = self._arrays()
-        blocks = [call(self.kind, self.implementation, ServedCall(len(range(s, min(s + GEMV_ROWS, x.shape[0]))),
-                                                                  dims, {"x": x[s:s + GEMV_ROWS], **weights}))["y"]
-                  for s in range(0, x.shape[0], GEMV_ROWS)] or [mx.zeros((0, dims["n"]), mx.float32)]
-        y = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks)
-        bias = getattr(self.inner, "bias", None) if "bias" in self.inner else None
-        return (y + bias if bias is not None else y).astype(x.dtype)
+        y = self.launch(x)["y"]
+        return y + self.inner.bias if self.biased else y
 
 
 class RecordNorm(Served):
-    """An RMSNorm served by the rmsnorm record's implementation."""
+    """An RMSNorm served by the rmsnorm record's implementation, one launch a call."""
 
     def __init__(self, inner: nn.RMSNorm, record, kind: str):
+        from tensorfold_contract.serving import Prepared
+
         super().__init__()
-        self.inner, self.kind = inner, kind  # the norm's weight stays its own, under `inner`
-        self.implementation = record.implementations[kind]
+        self.inner = inner  # the norm's weight stays its own, under `inner`
+        eps = mx.array([inner.eps], mx.float32)
+        implementation = record.implementations[kind]
+
+        def prepared(dtype: mx.Dtype) -> Prepared:  # one a dtype: the record's dims name the activation dtype
+            dims = {"d": inner.weight.shape[-1], "dtype": str(dtype).removeprefix("mlx.core."), "eps": inner.eps}
+            return Prepared(kind, implementation, dims, lambda: {"w": inner.weight, "eps": eps}, "x")
+
+        object.__setattr__(self, "launches", {})
+        object.__setattr__(self, "prepared", prepared)
 
     def __call__(self, x: mx.array) -> mx.array:
-        from tensorfold_contract.serving import ServedCall, call
-
-        dtype = str(x.dtype).removeprefix("mlx.core.")
-        served_call = ServedCall(x.shape[0], {"d": x.shape[-1], "dtype": dtype, "eps": self.inner.eps},
-                                 {"x": x, "w": self.inner.weight, "eps": mx.array([self.inner.eps], mx.float32)})
-        return call(self.kind, self.implementation, served_call)["out"]
+        launch = self.launches.get(x.dtype)
+        if launch is None:
+            launch = self.launches[x.dtype] = self.prepared(x.dtype)
+        return launch(x)["out"]
 
 
 def serve_kernels(model) -> dict:

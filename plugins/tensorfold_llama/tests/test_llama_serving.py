@@ -30,7 +30,8 @@ def test_every_record_the_table_names_exists_with_the_implementation_its_backend
                 assert RECORDS_KIND[backend] in by_name[name].implementations, (op, backend, name)
 
 
-def test_the_cpu_serves_every_op_through_mlx_built_ins_and_capabilities_show_the_table():
+def test_the_cpu_serves_every_op_through_mlx_built_ins_and_capabilities_show_the_table(monkeypatch):
+    monkeypatch.delenv(KERNELS_ENV, raising=False)  # the table's own choice, whatever the run overrides
     model, _, _ = load_model("tiny-llama")
     assert model.kernels == {op: BUILTIN for op in OPS}
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear) and model.served_head is None
@@ -86,3 +87,27 @@ def test_an_unknown_override_names_the_variable(monkeypatch):
     monkeypatch.setenv(KERNELS_ENV, "fast")
     with pytest.raises(OptionError, match=f"{KERNELS_ENV}=fast: expected builtin or records"):
         served(OPS)
+
+
+def test_a_prepared_record_call_is_one_launch_with_the_module_s_current_weights_and_its_dims_made_once(monkeypatch):
+    from tensorfold_contract import serving
+    from tensorfold_llama.kernels.gemv import BF16
+
+    launches = []
+
+    def kernel(inputs, **launch):  # stands in for the built cuda kernel: what one launch would be given
+        launches.append((inputs, launch))
+        return [mx.zeros(launch["output_shapes"][0], launch["output_dtypes"][0])]
+
+    monkeypatch.setattr(serving, "_kernel", lambda kind, source, shared: kernel)
+    weights = {"w": mx.zeros((40, 64), mx.bfloat16)}
+    prepared = serving.Prepared("cuda", BF16.implementations["cuda"], {"n": 40, "k": 64, "out": "bfloat16"},
+                                lambda: weights, "x")
+    x = mx.ones((5, 64), mx.bfloat16)
+    assert prepared(x)["y"].shape == (5, 40)
+    weights["w"] = mx.ones((40, 64), mx.bfloat16)  # new weights are served at the next call
+    prepared(x + 1)
+    (first, launch), (second, _) = launches
+    assert second[0] is not first[0] and second[1] is weights["w"] and second[2] is first[2]  # dims kept
+    assert first[2].tolist() == [5, 40, 64] and launch["output_dtypes"] == [mx.bfloat16]
+    assert prepared(mx.zeros((0, 64), mx.bfloat16))["y"].shape == (0, 40) and len(launches) == 2  # nothing to launch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -10,7 +11,7 @@ from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, S
     oversize_threadgroup, swap, variant
 
 from .attention_sources import CUDA, METAL
-from .common import EPS32, LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER, WIDEST, int_array, mx_dtype, rounded
+from .common import EPS32, LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER, WIDEST, mx_dtype, rounded
 
 SPLIT = 256  # keys a split: split s holds the absolute positions s*SPLIT .. s*SPLIT+SPLIT-1, whatever the call
 THREADS = SPLIT  # one thread a key of the split (cuda, metal)
@@ -95,6 +96,7 @@ def _window_of(a, start: int, stop: int, split: int):
     return mx.concatenate([pads[0], part, pads[1]], axis=1) if before or after else part
 
 
+@functools.lru_cache(maxsize=1024)
 def _geometry(rows: int, heads: int, dim: int) -> Launch:
     """One group of THREADS per (row, head): grid in threads, x the head, y the row."""
     import mlx.core as mx
@@ -110,7 +112,15 @@ def _kernel_inputs(q, k, v, offset: int, scale: float, window: int | None) -> li
 
     rows, heads, _, kv_heads, capacity = check(q, k, v, offset, window)
     k, v = (a.reshape(kv_heads, capacity, -1) for a in (k, v))
-    return [q, k, v, mx.array([scale], mx.float32), int_array([rows, heads, kv_heads, capacity, offset, window or 0])]
+    dims = mx.array([rows, heads, kv_heads, capacity, offset, window or 0], mx.int32)  # the offset moves each call
+    return [q, k, v, _scale(scale), dims]
+
+
+@functools.lru_cache(maxsize=64)
+def _scale(scale: float):
+    import mlx.core as mx
+
+    return mx.array([scale], mx.float32)
 
 
 _BUILT: dict = {}
@@ -128,11 +138,15 @@ def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int
         name = f"tf_window_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
         make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
         _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
-    launch = _geometry(rows, heads, dim)
-    (out,) = _BUILT[kind](inputs=_kernel_inputs(q, k, v, offset, scale, window), template=list(launch.template),
-                          grid=launch.grid, threadgroup=launch.threadgroup, output_shapes=list(launch.output_shapes),
-                          output_dtypes=list(launch.output_dtypes))
+    (out,) = _BUILT[kind](inputs=_kernel_inputs(q, k, v, offset, scale, window), **_launch_arguments(rows, heads, dim))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_arguments(rows: int, heads: int, dim: int) -> dict:
+    launch = _geometry(rows, heads, dim)
+    return dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
+                output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
 
 
 def cuda_window_attention(q, k, v, offset: int, scale: float, window: int | None = None) -> "mx.array":

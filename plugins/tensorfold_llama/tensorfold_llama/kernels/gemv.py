@@ -1,4 +1,4 @@
-"""The exact-verify GEMV under contract: up to 16 rows against bf16 or MLX affine 4/8-bit weights, row-invariant."""
+"""The exact-verify GEMV under contract: any number of rows against bf16 or MLX affine 4/8-bit weights, row-invariant."""
 
 from __future__ import annotations
 
@@ -9,18 +9,30 @@ import numpy as np
 from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, Source, Tolerance, \
     oversize_threadgroup, relaunch, swap, variant
 
-from .common import EPS32, LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER, WIDEST, bf16, groups, int_array
-from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_FOLD, METAL_BF16
+from .common import BF16_ULP, EPS32, LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER, bf16, groups, int_array, mx_dtype
+from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_BF16_HEADER, CUDA_FOLD, METAL_BF16
 
-THREADS = 128  # four warps a group
+THREADS = 128  # four warps a group (affine)
+WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input steps w, w + 8, ... of every column
+# The widest call gate 4 proves row by row: 8 streams' windows of 16 rows, two of the bf16 kernel's 64-row blocks
+# and eight of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
+WIDEST_CALL = 128
+OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
 
 
 def buckets(rows: int) -> tuple[int, int]:
-    """(MAXR, COLS) for a call of `rows` rows: five builds, not sixteen."""
-    # rows round up to 1, 2, 4, 8 or 16, and many rows take fewer columns a warp (registers); neither changes any
-    # (row, column) chain, so the rounding never shows in a result
-    maxr = next(b for b in (1, 2, 4, 8, 16) if b >= max(rows, 1))
+    """The affine kernel's (MAXR, COLS) for a call of `rows` rows: rows in groups of up to 16."""
+    # rows round up to 1, 2, 4, 8 or 16 a group, and many rows take fewer columns a warp (registers); neither
+    # changes any (row, column) chain, so the rounding never shows in a result
+    maxr = next(b for b in (1, 2, 4, 8, 16) if b >= min(max(rows, 1), 16))
     return maxr, 8 if maxr <= 4 else 4
+
+
+def tiles(rows: int) -> tuple[int, int, int]:
+    """The bf16 kernel's (MAXT, MT, U) for a call of `rows` rows: 8-row tiles a group, 16-column tiles a warp, and
+    steps loaded together; beyond 64 rows the grid repeats 64-row blocks. None of it changes a (row, column) sum."""
+    maxt = next(b for b in (1, 2, 4, 8) if 8 * b >= min(max(rows, 1), 64))
+    return (maxt, 1, 4) if maxt <= 2 else (maxt, 2, 2)  # many rows: two column tiles a warp halve the x re-reads
 
 
 def make_for(bits: int):
@@ -61,12 +73,19 @@ def reference_for(bits: int):
 
 
 def tolerance(dims):
-    # fp32 chains of K products: rounding grows about as sqrt(K), relative to the row's largest output
-    return Tolerance(rtol=64 * EPS32 + 16 * EPS32 * np.sqrt(dims["k"]))
+    # fp32 chains of K products: rounding grows about as sqrt(K), relative to the row's largest output; a bf16
+    # output adds its one rounding (half a spacing, counted whole)
+    bf16_out = BF16_ULP if dims.get("out", "float32") == "bfloat16" else 0.0
+    return Tolerance(rtol=64 * EPS32 + 16 * EPS32 * np.sqrt(dims["k"]) + bf16_out)
+
+
+def out_dtype(dims):
+    return mx_dtype(dims.get("out", "float32"))
 
 
 def mlx_for(bits: int, drop_tail: bool = False):
-    """The kernels it replaces: matmul on the widened bf16 values, or mx.quantized_matmul, with fp32 outputs."""
+    """The kernels it replaces: matmul on the widened bf16 values, or mx.quantized_matmul, with fp32 sums rounded
+    once to the output dtype."""
 
     def mlx_gemv(case):
         import mlx.core as mx
@@ -74,11 +93,11 @@ def mlx_for(bits: int, drop_tail: bool = False):
         x = case.array("x")
         if bits == 16:
             w = case.array("w")
-            if drop_tail:
-                return {"y": x[:, :-1] @ w[:, :-1].T}
-            return {"y": x @ w.T}
-        return {"y": qmm(x, case.array("wq"), case.array("scales", mx.bfloat16), case.array("biases", mx.bfloat16),
-                         case.dims["group"], bits)}
+            y = x[:, :-1] @ w[:, :-1].T if drop_tail else x @ w.T
+        else:
+            y = qmm(x, case.array("wq"), case.array("scales", mx.bfloat16), case.array("biases", mx.bfloat16),
+                    case.dims["group"], bits)
+        return {"y": y.astype(out_dtype(case.dims))}
 
     return mlx_gemv
 
@@ -105,26 +124,35 @@ def _inputs_for(bits: int):
     return inputs
 
 
-def _launch_for(bits: int):
-    def launch(case):
-        import mlx.core as mx
+def _launch_bf16(case) -> Launch:
+    maxt, mt, u = tiles(case.rows)
+    blocks = groups(case.dims["n"], 16 * mt) * groups(case.rows, 8 * maxt)
+    out = out_dtype(case.dims)
+    return Launch(grid=(blocks * WARPS * 32 if case.rows else 0, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  output_shapes=((case.rows, case.dims["n"]),), output_dtypes=(out,),
+                  template=(("WARPS", WARPS), ("MAXT", maxt), ("MT", mt), ("U", u), ("T", out)),
+                  static_shared=4 * WARPS * 8 * maxt * 16)  # part: each warp's sums before the fold
 
+
+def _launch_affine_for(bits: int):
+    def launch(case):
         maxr, cols = buckets(case.rows)
-        warps = groups(case.dims["n"], cols)
-        template = [("MAXR", maxr), ("COLS", cols)]
-        if bits != 16:
-            template += [("BITS", bits), ("GROUP", case.dims["group"])]
+        warps = groups(case.dims["n"], cols) * groups(case.rows, maxr)
+        out = out_dtype(case.dims)
         return Launch(grid=(warps * 32 if case.rows else 0, 1, 1), threadgroup=(THREADS, 1, 1),
-                      output_shapes=((case.rows, case.dims["n"]),), output_dtypes=(mx.float32,),
-                      template=tuple(template))
+                      output_shapes=((case.rows, case.dims["n"]),), output_dtypes=(out,),
+                      template=(("MAXR", maxr), ("COLS", cols), ("BITS", bits), ("GROUP", case.dims["group"]),
+                                ("T", out)))
 
     return launch
 
 
 def source(kind: str, bits: int) -> Source:
     names = ("x", "w", "dims") if bits == 16 else ("x", "wq", "scales", "biases", "dims")
-    body = METAL_BF16 if kind == "metal" else (CUDA_BF16 if bits == 16 else CUDA_AFFINE)
-    return Source(f"gemv{bits}", names, ("y",), body, inputs=_inputs_for(bits), launch=_launch_for(bits))
+    if bits == 16:
+        return Source("gemv16", names, ("y",), METAL_BF16 if kind == "metal" else CUDA_BF16, inputs=_inputs_for(16),
+                      launch=_launch_bf16, header="" if kind == "metal" else CUDA_BF16_HEADER)
+    return Source(f"gemv{bits}", names, ("y",), CUDA_AFFINE, inputs=_inputs_for(bits), launch=_launch_affine_for(bits))
 
 
 def fp16_chunks(case):
@@ -137,7 +165,7 @@ def fp16_chunks(case):
     step = max(1, -(-k // 8))
     for start in range(0, k, step):
         acc = acc + (x[:, start:start + step] @ w[:, start:start + step].T).astype(mx.float16)
-    return {"y": acc.astype(mx.float32)}
+    return {"y": acc.astype(out_dtype(case.dims))}
 
 
 def split_when_many_for(bits: int):
@@ -150,7 +178,7 @@ def split_when_many_for(bits: int):
         x = case.array("x")
         if bits == 16:
             w, h = case.array("w"), x.shape[1] // 2
-            return {"y": x[:, :h] @ w[:, :h].T + x[:, h:] @ w[:, h:].T}
+            return {"y": (x[:, :h] @ w[:, :h].T + x[:, h:] @ w[:, h:].T).astype(out_dtype(case.dims))}
         group = case.dims["group"]
         g = case.dims["k"] // group // 2
         cut, h = g * group * bits // 32, g * group
@@ -165,8 +193,8 @@ def split_when_many_for(bits: int):
             return qmm(half("x", cols_x), half("wq", cols_w), half("scales", cols_g, mx.bfloat16),
                        half("biases", cols_g, mx.bfloat16), group, bits)
 
-        return {"y": part(slice(0, h), slice(0, cut), slice(0, g)) + part(slice(h, None), slice(cut, None),
-                                                                          slice(g, None))}
+        y = part(slice(0, h), slice(0, cut), slice(0, g)) + part(slice(h, None), slice(cut, None), slice(g, None))
+        return {"y": y.astype(out_dtype(case.dims))}
 
     return split_when_many
 
@@ -178,8 +206,8 @@ def neighbour_scales_for(bits: int):
 
         s = case.array("scales", mx.bfloat16)
         s = mx.concatenate([s[:, 1:], s[:, :1]], axis=1)
-        return {"y": qmm(case.array("x"), case.array("wq"), s, case.array("biases", mx.bfloat16),
-                         case.dims["group"], bits)}
+        y = qmm(case.array("x"), case.array("wq"), s, case.array("biases", mx.bfloat16), case.dims["group"], bits)
+        return {"y": y.astype(out_dtype(case.dims))}
 
     return neighbour_scales
 
@@ -194,39 +222,52 @@ REORDER = swap("for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff
                "      else { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); }")
 assert CUDA_FOLD.count("v += __shfl_xor_sync") == 1
 
+# The bf16 kernel's planted defects: edits of one line each (the warps' fold, the tail loads)
+_WARP_FOLD = "for (int p = 1; p < WARPS; ++p) v += part[p][o / 16][o % 16];"
+WARPS_REVERSED_WHEN_MANY = swap(_WARP_FOLD, "if (rows > 1) { v = part[WARPS - 1][o / 16][o % 16];\n"
+                                "        for (int p = WARPS - 2; p >= 0; --p) v += part[p][o / 16][o % 16]; }\n"
+                                "      else { " + _WARP_FOLD + " }")
+FP16_FOLD = swap(_WARP_FOLD, "for (int p = 1; p < WARPS; ++p) v = __half2float(__float2half(v + part[p][o / 16][o % 16]));")
+TAIL_DROPPED = swap("const unsigned int lo = (k + 2 * e < K) ? h[k + 2 * e] : 0u;",
+                    "const unsigned int lo = (k + 2 * e < K - 1) ? h[k + 2 * e] : 0u;", where="header")
+
 MODELS = (("tiny", TINY, False), ("tiny drafter", TINY_DRAFTER, False), ("1B", LLAMA_1B, True),
           ("8B", LLAMA_8B, True))
 
 
 def served(bits: int, group: int = 64) -> tuple[Shape, ...]:
-    """Each model's projections (q/o, k/v, gate/up, down) and the tiny models' lm_head, at the widest window."""
-    extra = {} if bits == 16 else {"group": group}
+    """Each model's projections (q/o, k/v, gate/up, down) and the tiny models' lm_head, at the widest call, bf16 out.
+    The tiny heads wait for a GPU: gate 4 over 128 rows of an 8k-column head takes minutes of composed ops on a CPU."""
+    extra = {"out": OUT} if bits == 16 else {"group": group, "out": OUT}
     out = []
     for label, m, heavy in MODELS:
         kv = m["kv_heads"] * m["head_dim"]
-        projections = [("q/o", m["hidden"], m["hidden"]), ("k/v", kv, m["hidden"]),
-                       ("gate/up", m["inter"], m["hidden"]), ("down", m["hidden"], m["inter"])]
+        projections = [("q/o", m["hidden"], m["hidden"], heavy), ("k/v", kv, m["hidden"], heavy),
+                       ("gate/up", m["inter"], m["hidden"], heavy), ("down", m["hidden"], m["inter"], heavy)]
         if not heavy:
-            projections.append(("lm_head", m["vocab"], m["hidden"]))
+            projections.append(("lm_head", m["vocab"], m["hidden"], True))
         if label == "tiny drafter" or (heavy and label == "1B"):
-            projections = projections[2:4]  # their MLP shapes; their attention shapes add no new case
-        out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, WIDEST, heavy)
-                for what, n, k in projections]
+            projections = projections[2:]  # their MLP shapes (and head); their attention shapes add no new case
+        out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, WIDEST_CALL, big)
+                for what, n, k, big in projections]
     return tuple(out)
 
 
 def edges(bits: int) -> tuple[Shape, ...]:
     if bits == 16:
-        # K=203 is the one size off the 16-byte chunks: the cuda kernel's one-at-a-time path and its planted
-        # "dropped tail element" run on no other shape
-        sizes = [("1 row", 256, 256, 1), ("K=203, not a multiple of 8", 40, 203, 5),
-                 ("K=264, a part sweep of the lanes", 33, 264, 16), ("N=1, K=8", 1, 8, 3),
-                 ("N=33, off the columns per warp", 33, 256, 7), ("empty", 256, 256, 0)]
-        return tuple(Shape(label, {"n": n, "k": k}, rows) for label, n, k, rows in sizes)
+        # K=203 is the one size off the 16-byte chunks: the cuda kernel's element-wise loads and its planted
+        # "dropped tail element" run on no other shape; fp32 outputs keep the fp32 bound, where an fp16 fold shows
+        sizes = [("1 row", 256, 256, 1, "float32"), ("K=203, not a multiple of 8", 40, 203, 5, "float32"),
+                 ("K=264, a part sweep of the lanes", 33, 264, 16, "float32"), ("N=1, K=8", 1, 8, 3, "float32"),
+                 ("N=33, off the columns per warp", 33, 256, 7, "float32"),
+                 ("fp32 out, K=4096, 9 rows", 64, 4096, 9, "float32"),
+                 ("a prompt chunk beside 8 windows: 300 rows", 48, 256, 300, OUT), ("empty", 256, 256, 0, OUT)]
+        return tuple(Shape(label, {"n": n, "k": k, "out": out}, rows) for label, n, k, rows, out in sizes)
     sizes = [("1 row", 256, 256, 64, 1), ("K=64, one group", 40, 64, 64, 5),
              ("K=192, N=33", 33, 192, 64, 16), ("group 32", 48, 160, 32, 3), ("group 128", 17, 384, 128, 9),
-             ("empty", 256, 256, 64, 0)]
-    return tuple(Shape(label, {"n": n, "k": k, "group": g}, rows) for label, n, k, g, rows in sizes)
+             ("a prompt chunk beside 8 windows: 300 rows", 48, 256, 64, 300), ("empty", 256, 256, 64, 0)]
+    return tuple(Shape(label, {"n": n, "k": k, "group": g, "out": "float32" if rows < 300 else OUT}, rows)
+                 for label, n, k, g, rows in sizes)
 
 
 NOT_INVARIANT_ON_CUDA = Finding("MLX's matmul and quantized_matmul are not row-invariant on CUDA (DESIGN §10): "
@@ -244,20 +285,20 @@ ONE_GROUP_ON_CUDA = Finding("MLX 0.32.4's CUDA quantized_matmul is wrong when a 
 def record(bits: int) -> KernelRecord:
     label = "bf16" if bits == 16 else f"q{bits}"
     common = dict(family="llama", make=make_for(bits), reference=reference_for(bits), shapes=served(bits),
-                  edges=edges(bits), tolerance=tolerance, row_inputs=("x",),
+                  edges=edges(bits), tolerance=tolerance, row_inputs=("x",), max_rows=WIDEST_CALL,
                   findings=(NOT_INVARIANT_ON_CUDA,) if bits == 16 else (NOT_INVARIANT_ON_CUDA, ONE_GROUP_ON_CUDA))
     cuda = [Control("row-count-dependent reduction order", "cuda", 4, REORDER),
             Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup())]
     if bits == 16:
         controls = [
-            Control("fp16 accumulator", "mlx", 2, variant(fp16_chunks)),
+            Control("fp16 accumulator", "mlx", 3, variant(fp16_chunks)),
             Control("row-count-dependent reduction order", "mlx", 4, variant(split_when_many_for(16))),
             Control("dropped tail element", "mlx", 2, variant(mlx_for(16, drop_tail=True))),
-            Control("dropped tail element", "cuda", 3, swap("for (int k = chunks * 8 + lane; k < K; k += 32)",
-                                                            "for (int k = chunks * 8 + lane; k < K - 1; k += 32)")),
-            Control("fp16 accumulator", "cuda", 2, swap("float acc[MAXR][COLS];", "__half acc[MAXR][COLS];")),
+            Control("dropped tail element", "cuda", 3, TAIL_DROPPED),
+            Control("fp16 accumulator (the warps' fold)", "cuda", 3, FP16_FOLD),
             Control("unwritten last columns (grid one group short)", "cuda", 2, relaunch(_one_group_short)),
-            *cuda,
+            Control("warp sums folded in reverse when many rows", "cuda", 4, WARPS_REVERSED_WHEN_MANY),
+            Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
             Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
         ]
         impls = {"mlx": mlx_for(16), "cuda": source("cuda", 16), "metal": source("metal", 16)}
@@ -272,8 +313,9 @@ def record(bits: int) -> KernelRecord:
         ]
         impls = {"mlx": mlx_for(bits), "cuda": source("cuda", bits)}
     return KernelRecord(name=f"llama gemv {label}", implementations=impls, controls=tuple(controls),
-                        description=f"y = x w^T for 1..16 rows, {label} weights, fp32 output; each row's result "
-                                    "independent of the row count", **common)
+                        description=f"y = x w^T for any number of rows, {label} weights, fp32 sums rounded once to the "
+                                    "output dtype (bf16 served, fp32 at edges); each row's result independent of the "
+                                    "row count", **common)
 
 
 BF16 = record(16)

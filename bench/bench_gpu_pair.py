@@ -1,0 +1,115 @@
+"""Plain and drafted greedy decode of a target + drafter pair per kernel table mode, in-process, ids checked first."""
+
+# python bench/bench_gpu_pair.py TARGET DRAFTER [--depth 4] [--tokens 128] [--modes builtin,records] [--json OUT]
+# Each mode runs in a child process with TENSORFOLD_KERNELS set (the table is read at load). In it, every prompt is
+# decoded once untimed (MLX compiles its kernels on first use), then plain (`"draft": false`) and drafted, timed; a
+# drafted reply must equal the plain one token for token (check_same_ids) before any rate is printed. Rates count
+# decode rounds only (the prompt's prefill round left out), as `tensorfold run --json` does.
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code
+
+
+def decode_rate(rounds: list[dict], tokens: int) -> float:
+    """Tokens after the first over the time of the rounds after the first that gave tokens."""
+    timed = [r for r in rounds if r["tokens"]][1:]
+    ms = sum(r["ms"] for r in timed)
+    return 1000 * (tokens - 1) / ms if ms else 0.0
+
+
+def child(args) -> dict:
+    import mlx.core as mx
+
+    from tensorfold_core.checkmode import decode
+    from tensorfold_core.lanes.engine import Engine
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.loading import load_target, start_drafter
+    from tensorfold_core.options import ServeOptions
+    from tensorfold_core.specs import DrafterOptions
+
+    target = load_target(args.target, ServeOptions(dtype="bfloat16"))
+    model, tokenizer = target.model, target.tokenizer
+    drafter = start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype="bfloat16"))
+    prompts = CODE_PROMPTS[:args.prompts]
+
+    def engines():
+        plain = Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)
+        drafted = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, fixed_depth=args.depth,
+                         copy_drafts=False)
+        return plain, drafted
+
+    def request(text: str) -> GenerationRequest:
+        return GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=args.tokens, stop_token_ids=frozenset())
+
+    for text in prompts:  # compiles every kernel shape the timed runs meet
+        for engine in engines():
+            decode(engine, request(text), len(request(text).prompt_ids) + args.tokens)
+    out = {"mode": os.environ.get("TENSORFOLD_KERNELS"), "device": str(mx.default_device()), "kernels": model.kernels,
+           "probe": target.probe, "prompts": []}
+    for text in prompts:
+        plain, drafted = engines()
+        req = request(text)
+        capacity = len(req.prompt_ids) + args.tokens
+        plain_ids, plain_rounds, _ = decode(plain, req, capacity)
+        drafted_ids, drafted_rounds, _ = decode(drafted, req, capacity)
+        out["prompts"].append({"plain_ids": plain_ids, "drafted_ids": drafted_ids,
+                               "plain_tok_s": round(decode_rate(plain_rounds, len(plain_ids)), 1),
+                               "drafted_tok_s": round(decode_rate(drafted_rounds, len(drafted_ids)), 1),
+                               "drafted_rounds": len(drafted_rounds), "plain_rounds": len(plain_rounds)})
+    return out
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("drafter")
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=3, help="the first N code prompts")
+    parser.add_argument("--modes", default="builtin,records")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    results = []
+    for mode in args.modes.split(","):
+        command = [sys.executable, __file__, "--child", args.target, args.drafter, "--depth", str(args.depth),
+                   "--tokens", str(args.tokens), "--prompts", str(args.prompts)]
+        done = subprocess.run(command, env=dict(os.environ, TENSORFOLD_KERNELS=mode), capture_output=True, text=True)
+        if done.returncode:
+            raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    for r in results:  # ids first: a drafted reply off its plain one fails the run before any rate is read
+        for i, p in enumerate(r["prompts"]):
+            check_same_ids(f"{r['mode']}: drafted vs plain, prompt {i}", p["plain_ids"], p["drafted_ids"])
+    first = results[0]
+    print(f"{'mode':<9} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "
+          f"{'rounds':>7}  same ids as {first['mode']}")
+    for r in results:
+        plain = mean([p["plain_tok_s"] for p in r["prompts"]])
+        drafted = mean([p["drafted_tok_s"] for p in r["prompts"]])
+        rounds = sum(p["drafted_rounds"] for p in r["prompts"])
+        same = all(p["plain_ids"] == q["plain_ids"] for p, q in zip(r["prompts"], first["prompts"]))
+        print(f"{r['mode']:<9} {str(r['probe']['row_invariant']):<6} {plain:>11.1f} {drafted:>13.1f} "
+              f"{drafted / plain if plain else 0:>13.2f} {rounds:>7}  {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_code(main))

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# H200 steps for the served kernels' speed and exactness, side by side (docs/gpu.md, "The GPU steps").
+# Usage, from anywhere in the checkout:  tools/device/speed.sh STEP...   (default: bench pair exact contract affine)
+#   bench     the GEMV records against MLX's matmul / quantized_matmul at 1-128 rows (outputs checked before timing)
+#   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first)
+#   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
+#   contract  the contract for the bf16 GEMV and the window attention;  affine: for the 4/8-bit GEMVs
+# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_EXACT=80, CAP_CONTRACT=70, CAP_AFFINE=60),
+# so a call ends inside its limit and says which step was cut. Everything lands in one receipt folder, packed as
+# $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site) and, for pair and exact,
+# pydantic and llguidance there (docs/gpu.md). TF_SEED fixes the contract's inputs.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+out="${OUT:-$root/contract/receipts/out}"
+receipt=$(mktemp -d /tmp/tfreceipt.XXXX)
+export PYTHONUNBUFFERED=1
+seed=${TF_SEED:+--seed $TF_SEED}
+
+step() {  # step NAME CAP COMMAND...: run it under its cap, note its exit and time in steps.txt
+  local name=$1 cap=$2 start rc
+  shift 2
+  start=$(date +%s)
+  timeout "$cap" "$@"
+  rc=$?
+  echo "$name: exit $rc in $(( $(date +%s) - start )) s$([ $rc = 124 ] && echo " (cut at its cap of $cap s)")" \
+    | tee -a "$receipt/steps.txt"
+}
+
+for what in "${@:-bench pair exact contract affine}"; do
+  for name in $what; do
+    case "$name" in
+      bench) OUT=$receipt step bench "${CAP_BENCH:-80}" bash contract/receipts/run_on_h200.sh bench ;;
+      pair)
+        OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
+          && python3 tools/zoo/inflate.py --preset 0.1b --out /tmp/d01 --no-check > /dev/null \
+          && python3 bench/bench_gpu_pair.py /tmp/b1 /tmp/d01 --json $receipt/pair.json" \
+          step pair "${CAP_PAIR:-110}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/pair.txt" ;;
+      exact) OUT=$receipt step exact "${CAP_EXACT:-80}" bash contract/receipts/run_on_h200.sh exact ;;
+      contract|affine)
+        records="--only llama*gemv*bf16 --only llama*window*attention"
+        [ "$name" = affine ] && records="--only llama*gemv*q4 --only llama*gemv*q8"
+        mkdir -p "$receipt/$name"
+        cap=$([ "$name" = affine ] && echo "${CAP_AFFINE:-60}" || echo "${CAP_CONTRACT:-70}")
+        OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
+          step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
+        cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
+      *) echo "unknown step $name (bench, pair, exact, contract, affine)" >&2; exit 2 ;;
+    esac
+  done
+done
+mkdir -p "$out"
+tar czf "$out/receipt.tgz" -C "$receipt" .
+for f in steps.txt gemv.txt pair.txt contract.txt affine.txt; do [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"; done
+cat "$receipt/steps.txt"
