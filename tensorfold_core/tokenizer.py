@@ -103,8 +103,10 @@ class Tokenizer:
             raise CheckpointError("this checkpoint has no chat template (tokenizer_config.json chat_template); "
                                   "use /v1/completions")
         if self._template is None:
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined)
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.ChainableUndefined,
+                                     extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = _tojson  # tool schemas render as transformers renders them, not HTML-escaped
             self._template = env.from_string(self.chat_template)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.special_texts.get("bos_token", ""),
@@ -190,6 +192,11 @@ def tokenizer_difference(target: dict, drafter: dict) -> str | None:
 
 def _raise_template_error(message):
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson` for chat templates: plain json.dumps with its options (jinja's escapes <, > and &)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class IncrementalDetokenizer:

@@ -14,15 +14,16 @@ from ..errors import RequestError
 from . import errors, openapi
 from .dashboard import install as install_dashboard
 from .edge import Edge, redact_paths
+from .chat import ChatTurn
 from .choices import Choices
 from .generation import ClientGone, Generation, Step
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, install as install_metrics
-from .prompts import chat_prompt_ids, text_prompt_ids
+from .prompts import text_prompt_ids
 from .reply import Reply
 from .requests import engine_requests
 from .schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                      ChatDelta, ChatMessageOut, Completion, CompletionChoice, CompletionRequest, GenerationFields,
+                      ChatDelta, Completion, CompletionChoice, CompletionRequest, GenerationFields,
                       ModelCard, ModelList, Usage)
 from .served import ServedHost
 from .stream import open_stream
@@ -75,18 +76,20 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         _check_model(host, body.model)
         body.refuse_unsupported()
-        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-        prompt_ids = await chat_prompt_ids(host, messages)
-        generation = _start(host, grammars, metrics, body, prompt_ids, http)
+        turn = ChatTurn(host.tokenizer, body)  # tools, chat_template_kwargs; reasoning and calls in the reply
+        prompt_ids = await turn.prompt_ids(host)
+        generation = _start(host, grammars, metrics, body, prompt_ids, http, tool_grammar=turn.grammar(),
+                            reasoning=turn.reasoning)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         logprobs = (lambda entries: chat_logprobs(entries, grammars.token_bytes)) \
             if body.logprob_count() is not None else (lambda entries: None)
 
         def chunk(step: Step) -> ChatCompletionChunk | None:
-            if not step.piece.text and step.finish_reason is None and not body.return_token_ids:
-                return None
-            delta = ChatDelta(content=step.piece.text or None)
-            choice = ChatChunkChoice(index=step.index, delta=delta, finish_reason=step.finish_reason,
+            delta, finish_reason = turn.delta(step)
+            if not delta.model_dump() and finish_reason is None and not body.return_token_ids \
+                    and not (step.logprobs and body.logprob_count() is not None):
+                return None  # text held back (a stop string or a tag may be starting) and nothing else to say
+            choice = ChatChunkChoice(index=step.index, delta=delta, finish_reason=finish_reason,
                                      logprobs=logprobs(step.logprobs),
                                      token_ids=step.piece.token_ids if body.return_token_ids else None)
             return ChatCompletionChunk(id=rid, created=created, model=host.model_id, choices=[choice])
@@ -102,9 +105,10 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
             done, usage = await _collect(generation)
         except ClientGone:
             return Response(status_code=GONE)
-        choices = [ChatChoice(index=step.index, message=ChatMessageOut(content=step.piece.text),
-                              finish_reason=step.finish_reason, logprobs=logprobs(step.logprobs),
-                              token_ids=step.piece.token_ids if body.return_token_ids else None) for step in done]
+        choices = [ChatChoice(index=step.index, message=message, finish_reason=finish_reason,
+                              logprobs=logprobs(step.logprobs),
+                              token_ids=step.piece.token_ids if body.return_token_ids else None)
+                   for step in done for message, finish_reason in [turn.message(step)]]
         return ChatCompletion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
 
     @app.post("/v1/completions")
@@ -157,12 +161,13 @@ def _check_model(host: ServedHost, name: str | None) -> None:
 
 
 def _start(host: ServedHost, grammars: Grammars, metrics: Metrics, body: GenerationFields, prompt_ids: list[int],
-           http: Request) -> Generation | Choices:
-    """Build the engine requests (one per choice; best_of may run more) and submit them."""
+           http: Request, tool_grammar: str | None = None, reasoning: bool | None = None) -> Generation | Choices:
+    """Build the engine requests (one per choice; best_of may run more) and submit them; `tool_grammar` holds a
+    chat's reply to tool calls (server/tools.py); `reasoning`: a thinking chat's grammar starts after it."""
     streams = body.streams()
     # best_of ranks by cumulative logprob, so its streams report the drawn tokens' logprobs whether shown or not
     logprobs = body.logprob_count() if streams == body.n else (body.logprob_count() or 0)
-    grammar = grammars.for_request(body.constraint_fields())
+    grammar = grammars.for_request(body.constraint_fields(), tool_grammar, reasoning)
     requests = engine_requests(host, body, prompt_ids, streams=streams, logprobs=logprobs, grammar=grammar)
     eos, stops = host.tokenizer.eos_ids, body.stop_strings()
     # the first choice watches the connection; the others end with it

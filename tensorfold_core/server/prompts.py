@@ -19,6 +19,12 @@ async def chat_prompt_ids(host: ServedHost, messages: list[dict], **template) ->
     return await to_thread.run_sync(_chat_ids, host, messages, template, limiter=_TOKENIZING)
 
 
+async def chat_prompt_opening(host: ServedHost, messages: list[dict], **template) -> tuple[list[int], str]:
+    """chat_prompt_ids, and the text the generation prompt adds after the conversation (where a thinking
+    template may open the reply's reasoning)."""
+    return await to_thread.run_sync(_chat_opening, host, messages, template, limiter=_TOKENIZING)
+
+
 async def text_prompt_ids(host: ServedHost, prompt: str | list[int]) -> list[int]:
     """A completion's prompt: text tokenized, ids as given (the host checks them); errors name `prompt`."""
     if not isinstance(prompt, str):
@@ -27,12 +33,26 @@ async def text_prompt_ids(host: ServedHost, prompt: str | list[int]) -> list[int
 
 
 def _chat_ids(host: ServedHost, messages: list[dict], template: dict) -> list[int]:
-    try:
-        text = host.tokenizer.apply_chat_template(messages, **template)
-    except (CheckpointError, jinja2.TemplateError) as exc:
-        raise RequestError(f"the chat template refused the messages: {exc}", param="messages") from exc
+    return _encoded(host, _render(host, messages, template))
+
+
+def _chat_opening(host: ServedHost, messages: list[dict], template: dict) -> tuple[list[int], str]:
+    whole = _render(host, messages, template)
+    ids = _encoded(host, whole)
+    bare = _render(host, messages, {**template, "add_generation_prompt": False})
+    return ids, whole[len(bare):] if whole.startswith(bare) else whole
+
+
+def _encoded(host: ServedHost, text: str) -> list[int]:
     _refuse_past_context(host, text, "messages")
     return host.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render(host: ServedHost, messages: list[dict], template: dict) -> str:
+    try:
+        return host.tokenizer.apply_chat_template(messages, **template)
+    except (CheckpointError, jinja2.TemplateError) as exc:
+        raise RequestError(f"the chat template refused the messages: {exc}", param="messages") from exc
 
 
 def _text_ids(host: ServedHost, text: str) -> list[int]:

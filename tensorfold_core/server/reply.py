@@ -14,6 +14,16 @@ class Piece(NamedTuple):
     token_ids: list[int]
 
 
+def partial_tail(text: str, marker: str, within: int | None = None) -> int:
+    """Length of the longest tail of `text` (at most `within` characters) that begins `marker` without being all of
+    it: text a streamed reply holds back until the next piece says whether the marker follows."""
+    longest = min(len(marker) - 1, len(text) if within is None else within)
+    for k in range(longest, 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
 class Reply:
     """Builds one reply's text from token ids.
 
@@ -72,14 +82,8 @@ class Reply:
         self.searched = len(self.text)
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is the start of some stop string."""
-        held = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.text) - self.sent), held, -1):
-                if self.text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
+        """Length of the longest tail of the unsent text that is the start of some stop string."""
+        return max((partial_tail(self.text, stop, len(self.text) - self.sent) for stop in self.stops), default=0)
 
     def _take(self, token_ids: list[int], final: bool = False) -> Piece:
         end = len(self.text) if (final or self.ended) else len(self.text) - self._held_back()

@@ -18,13 +18,28 @@ class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
+class CalledFunction(RequestBody):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it; the template gets it parsed (server/tools.py)
+
+
+class ToolCallIn(RequestBody):
+    """A call an earlier assistant message made, sent back in the conversation."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(RequestBody):
     """One message; content is text or a list of text parts (other part kinds are refused)."""
 
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template as given
+    model_config = ConfigDict(extra="allow")  # name, reasoning_content, ... reach the chat template as given
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def for_template(self, index: int) -> dict:
         message = self.model_dump(exclude_none=True)
@@ -111,13 +126,36 @@ class GenerationFields(RequestBody):
         return self.n
 
 
+class FunctionSpec(RequestBody):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted; a forced call's arguments follow the schema either way
+
+
+class ToolSpec(RequestBody):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(RequestBody):
+    name: str
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # server/tools.py
+    parallel_tool_calls: bool | None = None  # default true: `required` may make several calls
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: variables for the chat template
     modalities: list[Literal["text"]] | None = None  # text is what is served; "audio" is refused by the type
 
     def token_limit(self) -> int | None:
@@ -127,10 +165,9 @@ class ChatCompletionRequest(GenerationFields):
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tool_choice is not None and not self.tools:
-            raise RequestError("tool_choice is only allowed when tools are given", param="tool_choice")
-        if self.tools and self.tool_choice != "none":
-            raise RequestError("tools are not supported yet", param="tools")
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None and not self.tools:
+                raise RequestError(f"{name} is only allowed when tools are given", param=name)
 
     def logprob_count(self) -> int | None:
         """None: no logprobs; k: each token's logprob and its row's k most likely tokens."""
@@ -205,9 +242,32 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
+class FunctionOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionOut
+
+
+class ToolCallDelta(ToolCallOut):
+    """A streamed call: each arrives whole, in one chunk, once its closing tag is read (server/tools.py)."""
+
+    index: int
+
+
 class ChatMessageOut(_Body):
+    """The reply: content is null only beside tool calls; reasoning where the template marks it."""
+
+    _drop_none = frozenset({"reasoning_content", "tool_calls"})
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Body):
@@ -230,10 +290,12 @@ class ChatCompletion(_Body):
 
 
 class ChatDelta(_Body):
-    _drop_none = frozenset({"role", "content"})
+    _drop_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Body):

@@ -10,6 +10,7 @@ import llguidance
 from ..errors import RequestError
 from ..lanes.constraints import Grammar
 from ..tokenizer import Tokenizer
+from .reasoning import after_reasoning
 
 # one space after ':' and ',' as OpenAI's replies write JSON; free whitespace lets a small model run on in blanks
 JSON_LAYOUT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -82,9 +83,13 @@ class Grammars:
                                code="invalid_grammar")
         return Grammar(text, self.guidance, name)
 
-    def for_request(self, fields: dict[str, Any]) -> Grammar | None:
-        """The one grammar `fields` ask for (response_format, guided_json/regex/choice/grammar), or None."""
-        asked = []
+    def for_request(self, fields: dict[str, Any], tool_grammar: str | None = None,
+                    reasoning: bool | None = None) -> Grammar | None:
+        """The one grammar `fields` ask for (response_format, guided_json/regex/choice/grammar) or a chat's
+        tool_choice does (`tool_grammar`, server/tools.py), or None. On a thinking turn (`reasoning`: whether the
+        prompt opened the block) the reasoning is free and the grammar holds what follows it, except
+        guided_grammar's, which holds the whole reply (write the reasoning into it)."""
+        asked = [("tool_choice", lambda: tool_grammar)] if tool_grammar is not None else []
         if fields.get("response_format"):
             found = _schema_of(fields["response_format"])
             if found is not None:
@@ -102,4 +107,6 @@ class Grammars:
             text = make()
         except ValueError as exc:
             raise RequestError(f"{param}: {exc}", param=param) from exc
+        if reasoning is not None and param != "guided_grammar":
+            text = after_reasoning(text, reasoning)
         return self.check(param, text, param)

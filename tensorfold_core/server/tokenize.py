@@ -10,8 +10,10 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CheckpointError, RequestError
-from .schemas import ChatMessage
+from .chat import template_inputs
+from .schemas import ChatMessage, ToolSpec
 from .served import ServedHost
+from .tools import Toolbox
 
 
 class _Body(BaseModel):
@@ -29,6 +31,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None  # as a chat request's: the template's own tool format, or the tools as text
     return_token_strs: bool = False
 
 
@@ -60,8 +63,10 @@ def install(app: FastAPI, host: ServedHost, check_model: Callable[[ServedHost, s
         else:
             if body.continue_final_message:
                 raise RequestError("continue_final_message is not supported", param="continue_final_message")
-            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-            template = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt}
+            given = [m.for_template(i) for i, m in enumerate(body.messages)]
+            toolbox = Toolbox.from_request(body.tools, None, None)
+            messages, template = template_inputs(host.tokenizer, given, toolbox, body.chat_template_kwargs)
+            template["add_generation_prompt"] = body.add_generation_prompt
             try:  # off the event loop: a long chat must not stall other requests
                 ids = await to_thread.run_sync(lambda: host.tokenizer.encode_chat(messages, **template))
             except (CheckpointError, jinja2.TemplateError) as exc:
