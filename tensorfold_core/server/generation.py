@@ -135,7 +135,8 @@ class Generation:
                     self.finished = True
                     if self.metrics is not None:
                         self.metrics.done(self.submitted, self._finish_reason(event), event.usage)
-                    yield Step(self.reply.finish(), self._finish_reason(event), self._usage(event.usage), index=self.index)
+                    yield Step(self.reply.finish(), self._finish_reason(event), self._usage(event.usage),
+                               index=self.index)
                     return
                 elif isinstance(event, ErrorEvent):
                     self.finished = True
