@@ -34,6 +34,7 @@ def _refused(response: httpx.Response, status: int = 400) -> dict:
      "messages[0].content[0].text"),
     ("/v1/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', "model"),
     ("/v1/completions", '{"prompt": "x", "stop": ["\\udbff"]}', "stop[0]"),
+    ("/v1/completions", '{"prompt": "raw \ud800 bytes", "max_tokens": 2}', "prompt"),  # UTF-8 of a surrogate
 ])
 def test_a_lone_surrogate_in_any_string_is_a_400_naming_where_it_sits(served, path, raw, param):
     error = _refused(_post(served, path, raw))

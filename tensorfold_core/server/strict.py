@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
+from contextvars import ContextVar
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from ..errors import RequestError
+
+# a lone surrogate reaches Python only as a JSON escape (\ud800) or as its raw UTF-8 bytes, which json.loads lets pass
+SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# False once the edge has seen the raw body hold neither (server/edge.py): the walk below is then skipped
+MAY_HOLD_SURROGATES: ContextVar[bool | None] = ContextVar("tensorfold_may_hold_surrogates", default=None)
 
 
 class RequestBody(BaseModel):
@@ -25,6 +32,8 @@ class RequestBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _encodable(cls, data: Any) -> Any:
+        if MAY_HOLD_SURROGATES.get() is False:
+            return data
         try:  # the common case at C speed (a 200k-id prompt would take a Python walk tens of ms of the event loop)
             json.dumps(data, ensure_ascii=False).encode("utf-8")
             return data
