@@ -6,6 +6,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .gates import _kernel_name
 from .record import Source
 
 _KERNELS: dict = {}  # (kind, source name, body hash, dynamic shared bytes) -> the built mx.fast kernel
@@ -38,7 +39,9 @@ def _kernel(kind: str, source: Source, dynamic_shared: int):
 
     key = (kind, source.name, hash(source.body), hash(source.header), dynamic_shared)
     if key not in _KERNELS:
-        common = dict(name=f"tf_{kind}_{source.name}", input_names=list(source.input_names),
+        # named by its text, as the gates name theirs: MLX caches compiled kernels by name, on disk too, so a name
+        # that outlived an edit of the text would serve the old build
+        common = dict(name=_kernel_name(kind, source), input_names=list(source.input_names),
                       output_names=list(source.output_names), source=source.body, header=source.header)
         _KERNELS[key] = (mx.fast.cuda_kernel(**common, shared_memory=dynamic_shared) if kind == "cuda"
                          else mx.fast.metal_kernel(**common))

@@ -1,4 +1,4 @@
-"""The exact-verify GEMV under contract: any number of rows against bf16 or MLX affine 4/8-bit weights, row-invariant."""
+"""The exact-verify GEMV under contract: any number of rows, bf16 or MLX affine 4/8-bit weights, row-invariant."""
 
 from __future__ import annotations
 
@@ -227,7 +227,8 @@ _WARP_FOLD = "for (int p = 1; p < WARPS; ++p) v += part[p][o / 16][o % 16];"
 WARPS_REVERSED_WHEN_MANY = swap(_WARP_FOLD, "if (rows > 1) { v = part[WARPS - 1][o / 16][o % 16];\n"
                                 "        for (int p = WARPS - 2; p >= 0; --p) v += part[p][o / 16][o % 16]; }\n"
                                 "      else { " + _WARP_FOLD + " }")
-FP16_FOLD = swap(_WARP_FOLD, "for (int p = 1; p < WARPS; ++p) v = __half2float(__float2half(v + part[p][o / 16][o % 16]));")
+FP16_FOLD = swap(_WARP_FOLD,
+                 "for (int p = 1; p < WARPS; ++p) v = __half2float(__float2half(v + part[p][o / 16][o % 16]));")
 TAIL_DROPPED = swap("const unsigned int lo = (k + 2 * e < K) ? h[k + 2 * e] : 0u;",
                     "const unsigned int lo = (k + 2 * e < K - 1) ? h[k + 2 * e] : 0u;", where="header")
 
