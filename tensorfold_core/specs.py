@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -99,6 +100,20 @@ class DrafterKind:
     admit: AdmitDrafter
     start: StartDrafter
     description: str = ""
+
+    @classmethod
+    def of_module(cls, name: str, module: str, description: str = "") -> "DrafterKind":
+        """A kind whose `matches`, `admit` and `start` live in `module`, imported (and mlx with it) only when a
+        drafter is asked for."""
+
+        def lazy(function: str):
+            def call(*args, **kwargs):
+                return getattr(importlib.import_module(module), function)(*args, **kwargs)
+
+            return call
+
+        return cls(name=name, matches=lazy("matches"), admit=lazy("admit"), start=lazy("start"),
+                   description=description)
 
 
 @dataclass(frozen=True)

@@ -37,22 +37,10 @@ def tensorfold_models():
     return [ShippedModel(path=MODELS / spec["name"], **spec) for spec in SHIPPED if (MODELS / spec["name"]).is_dir()]
 
 
-def _drafter_call(name: str):
-    """A DrafterKind callable that imports the drafter (and mlx) only when a drafter is asked for."""
-
-    def call(*args, **kwargs):
-        from . import drafter
-
-        return getattr(drafter, name)(*args, **kwargs)
-
-    return call
-
-
 @hookimpl
 def tensorfold_drafters():
-    return [DrafterKind(name="llama", matches=_drafter_call("matches"), admit=_drafter_call("admit"),
-                        start=_drafter_call("start"),
-                        description="a smaller llama on the target's tokenizer drafting greedy chains")]
+    return [DrafterKind.of_module("llama", "tensorfold_llama.drafter",
+                                  description="a smaller llama on the target's tokenizer drafting greedy chains")]
 
 
 @hookimpl
