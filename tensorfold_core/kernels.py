@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .errors import OptionError
 
@@ -51,3 +51,16 @@ def describe(table: Mapping[str, Mapping[str, str]]) -> dict:
 
 def _label(name: str, on: str) -> str:
     return name if name == BUILTIN else f"{name} ({RECORDS_KIND[on]})"
+
+
+def records_served(table: Mapping[str, Mapping[str, str]], records: Callable[[], list]) -> tuple[dict, str, dict]:
+    """What a family's forward serves here: (op -> the kernel record serving it, the records' implementation kind,
+    op -> its label for `Model.kernels`). `records` (the plugin's, loading MLX and the contract) is called only
+    where some op is served by a record; an op whose record has no implementation for this backend stays built-in."""
+    here = backend()
+    choice, kind = served(table, here), RECORDS_KIND[here]
+    by_name = {record.name: record for record in records()} if any(n != BUILTIN for n in choice.values()) else {}
+    usable = {op: by_name[name] for op, name in choice.items()
+              if name != BUILTIN and kind in by_name[name].implementations}
+    labels = {op: (f"{name} ({kind})" if op in usable else BUILTIN) for op, name in choice.items()}
+    return usable, kind, labels

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tensorfold_contract import gates, nvcc, run_contract
-from tensorfold_llama.kernels import attention
+from tensorfold_core.row_kernels import attention
 from tensorfold_llama.kernels.attention import RECORD, SPLIT, mlx_window_attention
 
 SEED = 20261201

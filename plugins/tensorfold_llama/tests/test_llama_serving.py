@@ -16,7 +16,7 @@ from tensorfold_core.specs import DrafterOptions, LoadOptions
 from tensorfold_core.testing import Run, serial, solo
 from tensorfold_llama.kernels import records
 from tensorfold_llama.ops import OPS
-from tensorfold_llama.serving import RecordLinear, RecordNorm
+from tensorfold_core.row_kernels.modules import RecordLinear, RecordNorm
 
 PROMPTS = ["import os\nimport", "def main(argv):\n", "class Point:\n    def __init__(self"]
 

@@ -1,0 +1,107 @@
+"""Modules that serve a family's row-kernel records in place of MLX's: projections, norms; and the swap that puts
+them into a loaded model."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def projection_op(module: nn.Module, activations: mx.Dtype) -> str | None:
+    """The op tables' name for a projection (None: no record serves it): the GEMV records take bf16 activations, and
+    bf16 weights or 4/8-bit affine codes with bf16 scales."""
+    if activations != mx.bfloat16 or not isinstance(module, (nn.Linear, nn.QuantizedLinear, nn.Embedding,
+                                                             nn.QuantizedEmbedding)):
+        return None
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        affine = module.bits in (4, 8) and module.mode == "affine" and module.scales.dtype == mx.bfloat16
+        return f"projection q{module.bits}" if affine else None
+    return "projection bf16" if module.weight.dtype == mx.bfloat16 else None
+
+
+class Served(nn.Module):
+    """A module whose call a kernel record serves; its weights, and what else it is asked, stay the inner one's."""
+
+    def __getattr__(self, key: str):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = self.get("inner")  # None while the module itself is being built
+            if inner is None:
+                raise
+            return getattr(inner, key)
+
+
+class RecordLinear(Served):
+    """A projection (or a tied head) served by a GEMV record's implementation: one launch for all of a forward's
+    rows, bf16 out (the record's served output), the weights read once per block of rows."""
+
+    def __init__(self, inner: nn.Module, record, kind: str):
+        from tensorfold_contract.serving import Prepared
+
+        from .gemv import OUT
+
+        super().__init__()
+        self.inner = inner  # the projection's weights stay its own, under `inner`
+        m = inner
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            dims = {"n": m.weight.shape[0], "k": m.weight.shape[1] * 32 // m.bits, "group": m.group_size}
+            weights = lambda: {"wq": m.weight, "scales": m.scales, "biases": m.biases}  # noqa: E731
+        else:
+            dims = {"n": m.weight.shape[0], "k": m.weight.shape[1]}
+            weights = lambda: {"w": m.weight}  # noqa: E731
+        # kept out of the module tree: a plain attribute MLX's parameter walk never enters
+        object.__setattr__(self, "launch", Prepared(kind, record.implementations[kind], {**dims, "out": OUT},
+                                                   weights, "x"))
+        object.__setattr__(self, "biased", "bias" in inner)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.launch(x)["y"]
+        return y + self.inner.bias if self.biased else y
+
+
+class RecordNorm(Served):
+    """An RMSNorm served by the rmsnorm record's implementation, one launch a call; leading axes are rows (a
+    per-head norm's [rows, heads, head_dim] is rows x heads rows of head_dim)."""
+
+    def __init__(self, inner: nn.RMSNorm, record, kind: str):
+        from tensorfold_contract.serving import Prepared
+
+        super().__init__()
+        self.inner = inner  # the norm's weight stays its own, under `inner`
+        eps = mx.array([inner.eps], mx.float32)
+        implementation = record.implementations[kind]
+
+        def prepared(dtype: mx.Dtype) -> Prepared:  # one a dtype: the record's dims name the activation dtype
+            dims = {"d": inner.weight.shape[-1], "dtype": str(dtype).removeprefix("mlx.core."), "eps": inner.eps}
+            return Prepared(kind, implementation, dims, lambda: {"w": inner.weight, "eps": eps}, "x")
+
+        object.__setattr__(self, "launches", {})
+        object.__setattr__(self, "prepared", prepared)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        launch = self.launches.get(x.dtype)
+        if launch is None:
+            launch = self.launches[x.dtype] = self.prepared(x.dtype)
+        if x.ndim == 2:
+            return launch(x)["out"]
+        return launch(x.reshape(-1, x.shape[-1]))["out"].reshape(x.shape)
+
+
+Swap = Callable[[nn.Module], nn.Module]
+
+
+def swaps(usable: Mapping[str, object], kind: str, activations: mx.Dtype) -> tuple[Swap, Swap]:
+    """(projection, norm): each turns a module into its record-served twin where the table serves its op by a
+    record (`usable`: op -> record), and leaves it as it is elsewhere."""
+
+    def projection(module: nn.Module) -> nn.Module:
+        op = projection_op(module, activations)
+        return RecordLinear(module, usable[op], kind) if op in usable else module
+
+    def norm(module: nn.Module) -> nn.Module:
+        return RecordNorm(module, usable["rms_norm"], kind) if "rms_norm" in usable else module
+
+    return projection, norm
