@@ -20,7 +20,8 @@ from .tokenizer import Tokenizer, tokenizer_difference
 log = logging.getLogger("tensorfold")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 Progress = Callable[[str], None]
-DRAFTER_MEMBERS = ("name", "propose", "release", "catch_up", "slot_bytes_for", "kept_bytes", "shed_kept", "close")
+DRAFTER_MEMBERS = ("name", "facts", "propose", "release", "catch_up", "slot_bytes_for", "kept_bytes", "shed_kept",
+                   "close")
 
 
 def _offline() -> bool:
@@ -178,6 +179,9 @@ def start_drafter(name: str, target: Model, tokenizer: Tokenizer, options: Draft
     if missing:
         raise DrafterError(f"drafter kind {kind.name}: start() gave a {type(drafter).__name__} without "
                            f"{', '.join(missing)} (the Drafter protocol in tensorfold_core.protocols)")
+    if drafter.facts.chances and not hasattr(drafter, "chances"):
+        raise DrafterError(f"drafter kind {kind.name}: its facts say it gives chances, but its "
+                           f"{type(drafter).__name__} has no chances() (ChanceDrafter in tensorfold_core.protocols)")
     return drafter
 
 

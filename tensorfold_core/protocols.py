@@ -114,9 +114,23 @@ class Proposer(Protocol):
         """The stream left; a drafter may keep its slot for a later request sharing the prefix."""
 
 
+@dataclass(frozen=True)
+class DrafterFacts:
+    """What a drafter tells the lane core beyond its drafts; the defaults leave its drafts to the depth rule."""
+
+    chances: bool = False  # a `ChanceDrafter`: its drafts' chances price the verify rows, and grants set its holds
+    slack: int = 1  # drafts a hold adds past a full grant; a probe after a grant of none holds this many
+    hold_rows: int = 0  # block rows one hold pass takes (0: unbounded); a shared round's holds are cut to fit one
+
+
+DEPTH_RULE = DrafterFacts()
+
+
 @runtime_checkable
 class Drafter(Proposer, Protocol):
     """A plugin's drafter: everything core calls of it. It reaches the target only through the Model protocol."""
+
+    facts: DrafterFacts  # DEPTH_RULE: no chances, the core's depth rule prices its drafts
 
     def catch_up(self, asks: Sequence["DraftAsk"]) -> int:
         """Feed lagging slots before `propose`, so the core times this once-off work apart from the chain steps
@@ -134,6 +148,16 @@ class Drafter(Proposer, Protocol):
 
     def close(self) -> None:
         """Drop every slot, live or kept, and give the device's buffers back."""
+
+
+@runtime_checkable
+class ChanceDrafter(Drafter, Protocol):
+    """A drafter whose `facts.chances` is set (DSpark's confidence head). A drafter checks nothing here; core calls
+    `chances` only where the facts say so."""
+
+    def chances(self, stream_id: int) -> Sequence[float] | None:
+        """For the drafts the last `propose` gave this stream, the chance each lands with every draft before it (a
+        running product, one per draft); None while that hold has not settled (it still runs on the device)."""
 
 
 class DraftAsk:

@@ -27,6 +27,7 @@ PLUGIN = textwrap.dedent('''
 
     from tensorfold_core import hookimpl
     from tensorfold_core.errors import DrafterError
+    from tensorfold_core.protocols import DEPTH_RULE
     from tensorfold_core.specs import DrafterKind, ServeOption
 
 
@@ -41,6 +42,7 @@ PLUGIN = textwrap.dedent('''
 
     class SelfDrafter:
         name = "toy-self"
+        facts = DEPTH_RULE
 
         def __init__(self, target, options):
             self.target, self.options, self.proposals = target, options, 0

@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..protocols import MAX_DRAFT_DEPTH, DraftAsk, Drafter, Model
+from typing import cast
+
+from ..protocols import DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, Model
 from .copy import CopyProposer
+from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
 from .rows import RowStage
 from .stream import Stream
@@ -134,8 +137,9 @@ class Engine:
                     t.stream.request.sampling.greedy, copy=bool(copy))
                 for t, room, copy in zip(self._asked, rooms, copies)]
         extra_rows = sum(len(t.window) for t in turns if t.stream.prefilling)
+        facts = self.drafter.facts if self.drafter is not None else DEPTH_RULE
         if self.fixed_depth is None:
-            depths = self.planner.plan(asks, extra_rows=extra_rows)
+            depths = self.planner.plan(asks, extra_rows=extra_rows, facts=facts)
         else:
             depths = [min(self.fixed_depth, ask.max_depth) for ask in asks]
         drafting = []
@@ -160,9 +164,21 @@ class Engine:
             forced = turn.stream.stage.forced(room)
             # JSON's punctuation is forced by its grammar: those drafts cost no chain and nearly always land
             turn.drafts, turn.source = (forced, "grammar") if len(forced) > len(legal) else (legal, turn.source)
+        if facts.chances and self.fixed_depth is None:
+            self._grant(cast(ChanceDrafter, self.drafter))
+        for turn, room in zip(self._asked, rooms):
             if room > 0:  # a window that could draft: did the planner and its guards let it?
                 self.counters.verdicts["drafted" if turn.drafts else "plain"] += 1
             turn.window = turn.window + turn.drafts
+
+    def _grant(self, drafter: ChanceDrafter) -> None:
+        """The scheduled verify: each window keeps the drafts of its hold that the planner grants by their chances."""
+        held = [Held(len(t.drafts), drafter.chances(t.stream.id)) if t.source == drafter.name and t.drafts else None
+                for t in self._asked]
+        granted = self.planner.grant(held, [len(t.drafts) for t in self._asked])
+        for turn, h, g in zip(self._asked, held, granted):
+            if h is not None:
+                turn.drafts = turn.drafts[:g]
 
     def round(self) -> bool:
         """One round; returns False when there was nothing to do."""

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
+from ..protocols import DEPTH_RULE, DrafterFacts
+from .grants import GrantLane, Held, fit_one_pass, grants
 from .pricing import PRIOR_ACCEPTANCE, Acceptance, Costs, lone_depth, shared_depths
 
 FIRST_GAP = 64  # plain rounds a stream stands aside before its first probe
@@ -328,6 +330,8 @@ class _Round:
     drafted: bool
     measured: bool
     start: float | None
+    extra_rows: int = 0
+    first: list[bool] = field(default_factory=list)  # streams at their drafted stretch's first hold (grants on)
     planned: float | None = None
     caught_up: float | None = None
     proposed: float | None = None
@@ -351,6 +355,7 @@ class DraftPlanner:
         # what drafter drafts have landed lately, over every stream: a new stream's first guess at its own
         self._landed = Acceptance(prior, half_life=PRIOR_HALF_LIFE)
         self._lanes: dict[tuple[int, bool], _Lane] = {}
+        self._grants: dict[int, GrantLane] = {}  # streams whose drafter gives chances: their grants
         self._round: _Round | None = None
 
     def _now(self) -> float | None:
@@ -383,29 +388,94 @@ class DraftPlanner:
             return self.lone.drafted(ask.stream_id, LoneGuard.band(ask.greedy, ask.context))
         return True
 
-    def plan(self, asks: Sequence[Ask], extra_rows: int = 0) -> list[int]:
-        """Before proposing: each ask's depth for the next round (`extra_rows`: its rows without drafts)."""
+    def plan(self, asks: Sequence[Ask], extra_rows: int = 0, facts: DrafterFacts = DEPTH_RULE) -> list[int]:
+        """Before proposing: each ask's depth for the next round (`extra_rows`: its rows without drafts). Where the
+        drafter's facts give chances, a drafter ask's depth is its hold's: the last grant's, with slack."""
         start = self._now()
         lanes = [self._lane(a.stream_id, a.copy) for a in asks]
+        granting = [facts.chances and not a.copy for a in asks]
         drafted = self._drafted(asks)
-        depths, consulted = [0] * len(asks), [False] * len(asks)
+        depths, consulted, first = [0] * len(asks), [False] * len(asks), [False] * len(asks)
         if drafted:
-            if len(asks) == 1 and not extra_rows:
-                priced = [lone_depth(lanes[0].acceptance, self.costs, asks[0].max_depth, not asks[0].copy)]
-            else:
-                priced = shared_depths([lane.acceptance for lane in lanes], self.costs,
-                                       [a.max_depth for a in asks], [not a.copy for a in asks], extra_rows,
-                                       self.shared_costs.get(SharedGuard.band(len(asks))))
+            priced = self._priced(asks, lanes, granting, extra_rows)
             for i, (ask, lane) in enumerate(zip(asks, lanes)):
                 if ask.max_depth <= 0:
                     continue
-                # a probe drafts what a new stream would: the depth the prior prices, at least one
-                probe = max(1, lone_depth(self._new_prior(ask.copy), self.costs, ask.max_depth, not ask.copy))
-                depths[i] = min(lane.aside.depth(priced[i], probe), ask.max_depth)
+                if granting[i]:  # a probe after a grant of none holds the slack
+                    grant = self._grant(ask.stream_id)
+                    hold, probe, first[i] = grant.next_hold(facts.slack), facts.slack, grant.granted is None
+                else:  # a probe drafts what a new stream would: the depth the prior prices, at least one
+                    hold = priced[i]
+                    probe = max(1, lone_depth(self._new_prior(ask.copy), self.costs, ask.max_depth, not ask.copy))
+                depths[i] = min(lane.aside.depth(hold, probe), ask.max_depth)
                 consulted[i] = True
+            depths = fit_one_pass(depths, granting, facts.hold_rows)
+        else:  # a plain round ends each stream's drafted stretch
+            for ask, grant in zip(asks, granting):
+                if grant:
+                    self._grant(ask.stream_id).end_stretch()
         # a round carrying a prompt chunk or no decoding stream tells neither mode's rate
-        self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start, self._now())
+        self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start, extra_rows,
+                             [f and d > 0 for f, d in zip(first, depths)], self._now())
         return depths
+
+    def _priced(self, asks: Sequence[Ask], lanes: Sequence[_Lane], granting: Sequence[bool],
+                extra_rows: int) -> list[int]:
+        """The depth rule's depths for the asks grants do not price (their windows' pending rows count as extra)."""
+        rule = [i for i, g in enumerate(granting) if not g]
+        priced = [0] * len(asks)
+        if not rule:
+            return priced
+        extra = extra_rows + len(asks) - len(rule)
+        if len(rule) == 1 and not extra:
+            ask = asks[rule[0]]
+            priced[rule[0]] = lone_depth(lanes[rule[0]].acceptance, self.costs, ask.max_depth, not ask.copy)
+            return priced
+        depths = shared_depths([lanes[i].acceptance for i in rule], self.costs, [asks[i].max_depth for i in rule],
+                               [not asks[i].copy for i in rule], extra,
+                               self.shared_costs.get(SharedGuard.band(len(asks))))
+        for i, depth in zip(rule, depths):
+            priced[i] = depth
+        return priced
+
+    def _grant(self, stream_id: int) -> GrantLane:
+        grant = self._grants.get(stream_id)
+        if grant is None:
+            grant = self._grants[stream_id] = GrantLane()
+        return grant
+
+    def grant(self, held: Sequence[Held | None], other_drafts: Sequence[int]) -> list[int]:
+        """After the hold, before the verify: how many of each planned ask's held drafts (None: it held none) its
+        window verifies, priced by their chances and the round's verify costs; `other_drafts[i]`: drafts the
+        window carries without a grant (copies, a grammar's). Each grant is kept for the stream's next hold."""
+        done = self._round
+        if done is None:
+            return [h.drafts if h is not None else 0 for h in held]
+        rows, tokens, at, chances, first = len(done.asks) + done.extra_rows, float(len(done.asks)), [], [], []
+        for i, (ask, h, other) in enumerate(zip(done.asks, held, other_drafts)):
+            if h is None:
+                rows += other
+                tokens += sum(self._lane(ask.stream_id, ask.copy).acceptance.reach(other))
+                continue
+            grant = self._grant(ask.stream_id)
+            if h.chances is not None:
+                grant.settle(h.chances)
+            # a hold still running is priced by its lane's last settled confidences, else by its acceptance
+            priced = h.chances if h.chances is not None else grant.last_settled(h.drafts)
+            if priced is None:
+                priced = self._lane(ask.stream_id, False).acceptance.reach(h.drafts)
+            at.append(i)
+            chances.append(list(priced)[:h.drafts])
+            first.append(done.first[i] if i < len(done.first) else False)
+        line = self.shared_costs.get(SharedGuard.band(len(done.asks))) if len(done.asks) >= 2 else None
+        round_ms = (line if line is not None and line.timed else self.costs).round_ms
+        granted = grants(chances, first, round_ms, rows, tokens)
+        out = [0] * len(held)
+        for i, g in zip(at, granted):
+            out[i] = g
+            grant = self._grant(done.asks[i].stream_id)
+            grant.held, grant.granted = held[i].drafts, g
+        return out
 
     def caught_up(self) -> None:
         """After the drafter fed its lagging slots: what passed since `plan` was catch-up, not chain steps."""
@@ -465,3 +535,4 @@ class DraftPlanner:
         """The stream ended: forget its acceptance and stand-aside (its band keeps the lone guard's verdict)."""
         self._lanes.pop((stream_id, False), None)
         self._lanes.pop((stream_id, True), None)
+        self._grants.pop(stream_id, None)

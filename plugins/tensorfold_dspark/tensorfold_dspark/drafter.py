@@ -11,7 +11,7 @@ import mlx.core as mx
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
-from tensorfold_core.protocols import DraftAsk, Model as TargetModel, TappedModel
+from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, DrafterFacts, Model as TargetModel, TappedModel
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
 
@@ -21,6 +21,8 @@ from .model import Block, Model, Span, markov_pick
 
 CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood aside) is absorbed before the chain
 WARM_UP_ID = -1  # a stream id no lane core hands out
+HOLD_ROWS = 32  # block rows one hold pass takes: a shared round's holds are cut to fit one
+SLACK = 1  # drafts a hold adds past a full grant, and a probe's hold after a grant of none (the seed's draft_slack)
 
 
 # ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----
@@ -70,7 +72,9 @@ class DSparkDrafter:
         self.shape = (args.num_hidden_layers, args.num_key_value_heads, args.head_dim)
         self.lanes: dict[int, Lane] = {}  # live streams' lanes
         self.kept: list[Lane] = []  # released lanes, oldest first, adopted by a stream sharing their prefix
-        self.chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
+        # with a confidence head the lane core grants verify rows by the drafts' chances; without one, the depth rule
+        self.facts = DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS) if args.confidence else DEPTH_RULE
+        self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
         self.stats = dict(holds=0, absorbed=0, lane_reuses=0)
 
     # -- what the ledger reads: a lane is sized at admission and never grows while its stream decodes --
@@ -98,7 +102,7 @@ class DSparkDrafter:
     def release(self, stream_id: int) -> None:
         """Keep the stream's lane (its uncut prefix) for a later request sharing it; the oldest kept give way."""
         lane = self.lanes.pop(stream_id, None)
-        self.chances.pop(stream_id, None)
+        self._chances.pop(stream_id, None)
         if lane is None:
             return
         lane.trim(lane.whole)
@@ -123,9 +127,16 @@ class DSparkDrafter:
             raise
         return rows
 
+    def chances(self, stream_id: int) -> list[float] | None:
+        """The running products of the confidences of the drafts the last hold gave the stream (a hold here settles
+        before `propose` returns, its drafts read back, so these are never pending); None where it held none."""
+        return self._chances.get(stream_id)
+
     def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
         """Each ask's block drafts: its lane absorbs the rows verified since its last hold, in the hold's graph."""
         drafts: list[list[int]] = [[] for _ in asks]
+        for ask in asks:  # a stream asked but not held this time has no chances to report
+            self._chances.pop(ask.stream_id, None)
         work = self._sync(asks)
         if not work:
             return drafts
@@ -148,7 +159,7 @@ class DSparkDrafter:
                 for s in range(end):
                     running *= chances[s][j]
                     out.append(running)
-                self.chances[asks[i].stream_id] = out
+                self._chances[asks[i].stream_id] = out
         return drafts
 
     def _sync(self, asks: Sequence[DraftAsk]) -> list[tuple[int, Lane, int, int | None]]:
@@ -260,14 +271,14 @@ class DSparkDrafter:
             self.propose([DraftAsk(WARM_UP_ID, [0, 0, 0], 2, limit=8, cache=cache)])
         finally:
             self.lanes.pop(WARM_UP_ID, None)
-            self.chances.pop(WARM_UP_ID, None)
+            self._chances.pop(WARM_UP_ID, None)
         self.stats = dict.fromkeys(self.stats, 0)
 
     def close(self) -> None:
         """Drop every lane, live or kept, stop the target's taps, and give MLX's cached buffers back."""
         self.lanes.clear()
         self.kept.clear()
-        self.chances.clear()
+        self._chances.clear()
         self.target.features([])
         mx.clear_cache()
 

@@ -12,10 +12,10 @@ from lfm2_helpers import solo
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import start_drafter
-from tensorfold_core.protocols import DraftAsk
+from tensorfold_core.protocols import DEPTH_RULE, DraftAsk
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import PROMPT, Run
-from tensorfold_dspark.drafter import CATCH_UP_ROWS
+from tensorfold_dspark.drafter import CATCH_UP_ROWS, HOLD_ROWS
 from tensorfold_dspark.lane import Lane
 from tensorfold_dspark.model import Block
 from tensorfold_lfm2.load import load
@@ -170,7 +170,7 @@ def test_the_markov_head_picks_each_draft_after_the_one_before_it_ties_going_to_
     tokens = PROMPT + [50]
     drafts = markov_only.propose([DraftAsk(21, tokens, 4, cache=committed_cache(target, PROMPT))])[0]
     assert drafts == [60, 0]  # 60 over 70; then every id ties: 0, the eos, which ends the chain
-    chances = markov_only.chances[21]
+    chances = markov_only.chances(21)
     assert len(chances) == 2 and 1 >= chances[0] >= chances[1] > 0  # a running product of sigmoids
     markov_only.release(21)
 
@@ -188,3 +188,70 @@ def test_each_block_row_sees_the_whole_context_and_every_row_of_its_block(drafte
     assert not mx.allclose(four[0], one[0])  # row 0 read the rows after it: the block is not causal
     lane.n = 3
     assert not mx.allclose(model.blocks(h, [Block(0, 4, 6, lane)])[0], four[0])  # and it read the context
+
+
+# ---- chances and grants (the test drafters' confidence heads are random: they say little of what lands) ----
+
+def test_a_streams_chances_are_the_running_product_of_its_drafts_confidences(target, drafter):
+    drafter.shed_kept()
+    tokens = PROMPT + [9]
+    drafts = drafter.propose([DraftAsk(15, tokens, 6, cache=committed_cache(target, PROMPT))])[0]
+    model, lane = drafter.model, drafter.lanes[15]
+    ids = mx.array([9] + [drafter.mask_id] * (len(drafts) - 1), dtype=mx.uint32)
+    final = model.blocks(target.embed(ids), [Block(0, len(drafts), len(PROMPT), lane)])
+    previous = mx.array([9] + drafts[:-1], dtype=mx.uint32)
+    confidences = model.confidence(final, previous).tolist()
+    running, want = 1.0, []
+    for confidence in confidences:
+        running *= confidence
+        want.append(running)
+    assert len(drafts) >= 2 and drafter.chances(15) == pytest.approx(want, rel=1e-5)
+    drafter.release(15)
+    assert drafter.chances(15) is None
+
+
+def granted_run(target, drafter, parallel):
+    """A run whose planner records each round's grants: (drafts held, drafts granted) per held window."""
+    run = drafted_run(target, drafter, parallel)
+    planner, grants = run.engine.planner, []
+    grant = planner.grant
+
+    def recorded(held, other):
+        out = grant(held, other)
+        grants.extend((h.drafts, g) for h, g in zip(held, out) if h is not None)
+        return out
+    planner.grant = recorded
+    return run, grants
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_with_the_confidence_head_the_lane_core_grants_verify_rows_and_replies_stay_exact(target, drafter, references,
+                                                                                          parallel):
+    assert drafter.facts.chances and drafter.facts.hold_rows == HOLD_ROWS
+    run, grants = granted_run(target, drafter, parallel)
+    for sid, request in enumerate(requests()):
+        run.submit(sid, request)
+    run.finish()
+    assert [run.tokens(sid) for sid in range(len(references))] == references
+    assert grants and all(0 <= granted <= held for held, granted in grants)
+    assert any(held > 1 for held, _ in grants)  # holds grew past a stretch's first one
+
+
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory, target, target_dir):
+    """A drafter checkpoint without the confidence head."""
+    path = tiny_dspark_checkpoint(tmp_path_factory.mktemp("headless") / "headless", target_dir, confidence=False)
+    started = start_drafter(str(path), target, Checkpoint.open(target_dir).tokenizer())
+    yield started
+    started.close()
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_a_checkpoint_without_the_confidence_head_verifies_by_the_depth_rule(target, headless, references, parallel):
+    assert headless.facts == DEPTH_RULE
+    run, grants = granted_run(target, headless, parallel)
+    for sid, request in enumerate(requests()):
+        run.submit(sid, request)
+    run.finish()
+    assert [run.tokens(sid) for sid in range(len(references))] == references
+    assert grants == [] and sum(run.done(sid).usage["tensorfold"]["drafted"] for sid in range(len(references))) > 0

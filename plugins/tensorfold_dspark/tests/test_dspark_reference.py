@@ -99,6 +99,6 @@ def test_a_holds_drafts_and_chances_are_the_float64_reference_of_the_published_a
         embedding = np.array(target.model.embed_tokens.weight, dtype=np.float64)
         want, chances = reference_hold(drafter.model, embedding, tapped, 9, depth, drafter.mask_id)
         assert drafts == want
-        assert np.allclose(drafter.chances[0], chances, rtol=1e-4, atol=1e-6)
+        assert np.allclose(drafter.chances(0), chances, rtol=1e-4, atol=1e-6)
     finally:
         drafter.close()

@@ -11,7 +11,7 @@ import mlx.core as mx
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
-from tensorfold_core.protocols import DraftAsk, Model as TargetModel
+from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, Model as TargetModel
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions, LoadOptions
 
@@ -113,6 +113,7 @@ class LlamaDrafter:
     """A `Drafter`: greedy chains of a small llama, batched over every asking stream, evaluated once a call."""
 
     name = "llama"
+    facts = DEPTH_RULE  # no chances: the core's depth rule prices its drafts
 
     def __init__(self, model: Model, *, vocab_limit: int, eos_ids: frozenset[int], options: DrafterOptions,
                  source: str = ""):
