@@ -367,8 +367,9 @@ def test_the_llama_findings_name_edges_of_their_records_and_apply_only_to_mlx_on
                 assert finding.case in {s.label for s in (*record.shapes, *record.edges)}, (record.name, finding)
                 assert finding.mlx == "0.32.4" and finding.symptom
                 named[record.name] = (finding.gate, finding.case)
-    assert named == {"llama rmsnorm": (3, "empty"), "llama gemv q4": (3, "K=64, one group"),
-                     "llama gemv q8": (3, "K=64, one group")}
+    assert named == {f"{family} {name}": case for family in ("llama", "lfm2") for name, case in
+                     (("rmsnorm", (3, "empty")), ("gemv q4", (3, "K=64, one group")),
+                      ("gemv q8", (3, "K=64, one group")))}
 
 
 def test_isolation_finds_records_through_entry_points_so_it_takes_no_plugin_manager():

@@ -12,10 +12,9 @@ import mlx.nn as nn
 def projection_op(module: nn.Module, activations: mx.Dtype) -> str | None:
     """The op tables' name for a projection (None: no record serves it): the GEMV records take bf16 activations, and
     bf16 weights or 4/8-bit affine codes with bf16 scales."""
-    if activations != mx.bfloat16 or not isinstance(module, (nn.Linear, nn.QuantizedLinear, nn.Embedding,
-                                                             nn.QuantizedEmbedding)):
+    if activations != mx.bfloat16 or "weight" not in module or module.weight.ndim != 2:
         return None
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+    if "scales" in module:
         affine = module.bits in (4, 8) and module.mode == "affine" and module.scales.dtype == mx.bfloat16
         return f"projection q{module.bits}" if affine else None
     return "projection bf16" if module.weight.dtype == mx.bfloat16 else None
@@ -46,7 +45,7 @@ class RecordLinear(Served):
         super().__init__()
         self.inner = inner  # the projection's weights stay its own, under `inner`
         m = inner
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if "scales" in m:  # affine codes: QuantizedLinear, QuantizedEmbedding or one expert's slice
             dims = {"n": m.weight.shape[0], "k": m.weight.shape[1] * 32 // m.bits, "group": m.group_size}
             weights = lambda: {"wq": m.weight, "scales": m.scales, "biases": m.biases}  # noqa: E731
         else:
@@ -105,3 +104,23 @@ def swaps(usable: Mapping[str, object], kind: str, activations: mx.Dtype) -> tup
         return RecordNorm(module, usable["rms_norm"], kind) if "rms_norm" in usable else module
 
     return projection, norm
+
+
+def swap_tree(module: nn.Module, projection: Swap, norm: Swap) -> None:
+    """Every Linear (plain or quantized) under `module` through `projection`, every RMSNorm through `norm`."""
+    for name, child in module.children().items():
+        items = enumerate(child) if isinstance(child, list) else [(None, child)]
+        for index, sub in items:
+            if isinstance(sub, (nn.Linear, nn.QuantizedLinear)):
+                new = projection(sub)
+            elif isinstance(sub, nn.RMSNorm):
+                new = norm(sub)
+            elif isinstance(sub, nn.Module) and not isinstance(sub, Served):
+                swap_tree(sub, projection, norm)
+                continue
+            else:
+                continue
+            if index is None:
+                setattr(module, name, new)
+            else:
+                child[index] = new

@@ -102,6 +102,9 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
         self.q_layernorm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
         self.k_layernorm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+        # a window-attention record's implementation where the table names one (serving.py): it reads the cache's
+        # whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
+        self.attend = None
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -116,6 +119,11 @@ class Attention(nn.Module):
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
             q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
             k, v = cache.write(slot, k, v)
+            if self.attend is not None:
+                o = self.attend(q[0].transpose(1, 0, 2), cache.keys[slot], cache.values[slot], cache.offset,
+                                self.scale, None)
+                outs.append(o.astype(x.dtype).reshape(n, -1))
+                continue
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return self.out_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
@@ -130,12 +138,17 @@ class ShortConv(nn.Module):
         self.in_proj = nn.Linear(dim, 3 * dim, bias=args.conv_bias)
         self.conv = nn.Conv1d(dim, dim, kernel_size=args.conv_L_cache, groups=dim, bias=args.conv_bias)
         self.out_proj = nn.Linear(dim, dim, bias=args.conv_bias)
+        self.served = None  # the stream conv record where the table names one (serving.py); None: nn.Conv1d
 
     def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
         b, c, x = mx.split(self.in_proj(x), 3, axis=-1)
         gated = b * x
         # per stream: the conv reads the stream's committed tail; the cache keeps the rows for keep()
-        outs = [self.conv(cache.conv_input(slot, gated[start:start + n][None]))[0] for start, n, cache, _ in spans]
+        outs = []
+        for start, n, cache, _ in spans:
+            rows, tail = gated[start:start + n], cache.conv[slot]
+            inputs = cache.conv_input(slot, rows[None])  # [tail; rows]
+            outs.append(self.conv(inputs)[0] if self.served is None else self.served.run(tail, rows))
         return self.out_proj(c * (outs[0] if len(outs) == 1 else mx.concatenate(outs)))
 
 
@@ -185,7 +198,8 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.vocab_size = args.vocab_size
         self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
-        self.kernels: dict = {}  # what serves each row-path op here (the loader fills it from its table)
+        self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
+        self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
         self.hidden_size = args.hidden_size
         self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)
@@ -257,8 +271,7 @@ class Model(nn.Module):
             for start, n, cache, _ in spans:
                 cache.tapped = tapped[start:start + n]
         close_windows(spans, commit)
-        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
-        return picked_logits(h, pick, self.model.embedding_norm, head, self.vocab_size)
+        return picked_logits(h, pick, self.model.embedding_norm, self._head(), self.vocab_size)
 
     def keep(self, cache: HybridCache, rows: int) -> None:
         check_keep(cache, rows)
@@ -283,5 +296,9 @@ class Model(nn.Module):
         return self.model.embed_tokens(ids)
 
     def head(self, rows: mx.array) -> mx.array:
-        head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
-        return head(rows).astype(mx.float32)
+        return self._head()(rows).astype(mx.float32)
+
+    def _head(self):
+        if self.served_head is not None:
+            return self.served_head
+        return self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head

@@ -2,8 +2,16 @@
 
 from tensorfold_core.kernels import BUILTIN
 
-# Which implementation backs each row-path op on each backend. The conv and router records are proven by the
-# contract but not wired into the forward yet: every backend serves MLX's built-ins, so on CUDA the probe fails
-# and the lfm2 families serve each stream alone and undrafted there (docs/architecture.md, "Kernels served").
-OPS = {op: {"cpu": BUILTIN, "cuda": BUILTIN, "metal": BUILTIN}
-       for op in ("projection", "rms_norm", "attention", "short conv", "moe router", "moe experts")}
+# Which implementation backs each row-path op on each backend: MLX's built-in, or a kernel record (its cuda or
+# metal implementation there; the contract proves exactly these). Projections cover every Linear of the blocks,
+# the router's gate, the tied head, and each MoE expert's matrix on its own (served: every expert on every row,
+# then each row's picks in order, so no row's product depends on which rows chose the same expert).
+OPS = {
+    "projection bf16": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16", "metal": "lfm2 gemv bf16"},
+    "projection q4": {"cpu": BUILTIN, "cuda": "lfm2 gemv q4", "metal": BUILTIN},
+    "projection q8": {"cpu": BUILTIN, "cuda": "lfm2 gemv q8", "metal": BUILTIN},
+    "rms_norm": {"cpu": BUILTIN, "cuda": "lfm2 rmsnorm", "metal": "lfm2 rmsnorm"},
+    "attention": {"cpu": BUILTIN, "cuda": "lfm2 window attention", "metal": "lfm2 window attention"},
+    "short conv": {"cpu": BUILTIN, "cuda": "lfm2 stream conv", "metal": "lfm2 stream conv"},
+    "moe router": {"cpu": BUILTIN, "cuda": "lfm2_moe router top-k", "metal": "lfm2_moe router top-k"},
+}

@@ -1,0 +1,40 @@
+"""The lfm2 families' records of the shared row kernels: the GEMV (every projection, each expert's alone, the router's
+gate, the tied head), RMSNorm (the blocks' and the per-head q/k norms) and window attention, at lfm2's shapes."""
+
+from __future__ import annotations
+
+from tensorfold_contract import Shape
+from tensorfold_core.row_kernels import attention, gemv, rmsnorm
+
+from .common import LFM2_1B, TINY_LFM2, TINY_MOE, TINY_MOE_MLP
+
+MODELS = (("tiny-lfm2", TINY_LFM2, False), ("LFM2-1.2B", LFM2_1B, True))
+
+
+def projections(bits: int, group: int = 64) -> tuple[Shape, ...]:
+    """Each model's projections (n x k) at the widest call, bf16 out; heads only on a GPU (minutes on a CPU)."""
+    extra = {"out": gemv.OUT} if bits == 16 else {"group": group, "out": gemv.OUT}
+    out = []
+    for label, m, heavy in MODELS:
+        d, kv = m["hidden"], m["kv_heads"] * m["head_dim"]
+        sizes = [("conv in_proj", 3 * d, d), ("q/out_proj", d, d), ("k/v", kv, d), ("w1/w3", m["ff"], d),
+                 ("w2", d, m["ff"])]
+        if label == "tiny-lfm2":  # the MoE's experts and router gate (its dense layers share the shapes above)
+            sizes += [("expert gate/up", TINY_MOE_MLP["expert_ff"], d), ("expert down", d, TINY_MOE_MLP["expert_ff"]),
+                      ("router gate", TINY_MOE["experts"], d)]
+        out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, gemv.WIDEST_CALL, heavy)
+                for what, n, k in sizes]
+        out.append(Shape(f"{label} head {m['vocab']}x{d}", {"n": m["vocab"], "k": d, **extra}, gemv.WIDEST_CALL, True))
+    return tuple(out)
+
+
+def records() -> list:
+    norms = tuple(rmsnorm.shape(f"{label} {what} bf16", width, "bfloat16")
+                  for label, m, _ in MODELS for what, width in (("hidden", m["hidden"]), ("q/k head", m["head_dim"])))
+    heads = (attention.shape("tiny-lfm2 bf16, 700 keys", TINY_LFM2, 700),
+             attention.shape("tiny-lfm2 fp32, 40 keys", TINY_LFM2, 40, "float32"),
+             attention.shape("LFM2-1.2B bf16, 4096 keys", LFM2_1B, 4096, heavy=True))
+    return [gemv.record("lfm2", 16, projections(16)), gemv.record("lfm2", 4, projections(4)),
+            gemv.record("lfm2", 8, projections(8)), rmsnorm.record("lfm2", (rmsnorm.shape("tiny-lfm2 fp32", 256),
+                                                                            *norms)),
+            attention.record("lfm2", heads)]

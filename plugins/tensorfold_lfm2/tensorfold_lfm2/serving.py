@@ -1,0 +1,113 @@
+"""The lfm2 families' row-path ops served through their kernel records, as their op table says."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tensorfold_core.families import swiglu
+from tensorfold_core.kernels import records_served
+from tensorfold_core.row_kernels.modules import RecordLinear, Served, projection_op, swap_tree, swaps
+
+from .kernels import records
+from .ops import OPS
+
+
+class ExpertMatrix(nn.Module):
+    """One expert's matrix of a stacked switch projection (a view: no copy), served as a projection of its own."""
+
+    def __init__(self, stacked: nn.Module, expert: int):
+        super().__init__()
+        for name in ("weight", "scales", "biases"):
+            if name in stacked:
+                setattr(self, name, stacked[name][expert])
+        if "scales" in stacked:
+            self.bits, self.group_size, self.mode = stacked.bits, stacked.group_size, stacked.mode
+
+
+class ServedConv:
+    """The short conv's window through the stream conv record: each row from its stream's committed tail."""
+
+    def __init__(self, conv: nn.Conv1d, record, kind: str):
+        from tensorfold_contract.serving import ServedCall, call
+
+        channels, taps, _ = conv.weight.shape
+        dims = {"channels": channels, "L": taps, "bias": "bias" in conv}
+        implementation = record.implementations[kind]
+
+        def run(tail: mx.array, rows: mx.array) -> mx.array:
+            arrays = {"tails": tail, "bx": rows, "w": conv.weight.reshape(channels, taps)}
+            if dims["bias"]:
+                arrays["bias"] = conv.bias
+            served = ServedCall(rows.shape[0], {**dims, "dtype": str(rows.dtype).removeprefix("mlx.core.")}, arrays)
+            return call(kind, implementation, served)["y"]
+
+        self.run = run
+
+
+class ServedMoe(Served):
+    """A sparse MoE block through the records: the router's gate as a projection, the router record's top-k, every
+    expert's matrices as projections over every row, then each row's picks weighed and added best first."""
+
+    def __init__(self, inner: nn.Module, record, kind: str, projection):
+        from tensorfold_contract.serving import ServedCall, call
+
+        super().__init__()
+        self.inner = inner
+        switch = inner.switch_mlp
+        experts = switch.gate_proj.weight.shape[0]
+        served = {name: [projection(ExpertMatrix(getattr(switch, name), e)) for e in range(experts)]
+                  for name in ("gate_proj", "up_proj", "down_proj")}
+        dims = {"experts": experts, "top_k": inner.top_k, "norm": inner.norm_topk_prob,
+                "scale": inner.routed_scaling_factor, "bias": "expert_bias" in inner}
+        scale = mx.array([inner.routed_scaling_factor], mx.float32)
+
+        def route(logits: mx.array) -> tuple[mx.array, mx.array]:
+            arrays = {"logits": logits, "scale": scale}
+            if dims["bias"]:
+                arrays["bias"] = inner.expert_bias
+            d = {**dims, "dtype": str(logits.dtype).removeprefix("mlx.core.")}
+            out = call(kind, record.implementations[kind], ServedCall(logits.shape[0], d, arrays))
+            return out["indices"], out["weights"]
+
+        object.__setattr__(self, "served_gate", projection(inner.gate))
+        object.__setattr__(self, "served_experts", served)
+        object.__setattr__(self, "route", route)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        experts, weights = self.route(self.served_gate(x))
+        p = self.served_experts
+        each = mx.stack([p["down_proj"][e](swiglu(p["gate_proj"][e](x), p["up_proj"][e](x)))
+                         for e in range(len(p["down_proj"]))])  # [experts, rows, dim]
+        out = None
+        for j in range(experts.shape[-1]):  # best first, one add a pick: a fixed order for every row
+            picked = mx.take_along_axis(each, experts[None, :, j:j + 1], axis=0)[0]
+            term = picked * weights[:, j:j + 1]
+            out = term if out is None else out + term
+        return out
+
+
+def serve_kernels(model) -> dict:
+    """Swap the model's row-path modules for the table's records on this backend; what serves each op."""
+    from .lfm2_moe import SparseMoeBlock
+
+    usable, kind, labels = records_served(OPS, records)
+    projection, norm = swaps(usable, kind, model.dtype)
+    if "attention" in usable:
+        from tensorfold_core.row_kernels.attention import WINDOW_ATTENTION
+
+        attend = WINDOW_ATTENTION[kind]
+    for layer in model.model.layers:
+        if layer.is_attention_layer and "attention" in usable:
+            layer.self_attn.attend = attend
+        if not layer.is_attention_layer and "short conv" in usable:
+            layer.conv.served = ServedConv(layer.conv.conv, usable["short conv"], kind)
+        if isinstance(layer.feed_forward, SparseMoeBlock) and "moe router" in usable:
+            layer.feed_forward = ServedMoe(layer.feed_forward, usable["moe router"], kind, projection)
+    swap_tree(model, projection, norm)
+    if model.args.tie_word_embeddings:
+        embed = model.model.embed_tokens
+        op = projection_op(embed, model.dtype)
+        if op in usable:  # the embedding's weight read as a projection; kept out of the module tree (no twin)
+            object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
+    return labels

@@ -1,0 +1,105 @@
+"""The lfm2 families' op table: built-ins on the CPU, their kernel records where the table names them, same tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from tensorfold_core.capabilities import capabilities
+from tensorfold_core.kernels import BUILTIN, KERNELS_ENV, RECORDS_KIND, describe, served
+from tensorfold_core.lanes.types import GenerationRequest
+from tensorfold_core.loading import load_model
+from tensorfold_core.options import ServeOptions
+from tensorfold_core.row_kernels.modules import RecordLinear, RecordNorm
+from tensorfold_core.sampling import SamplingParams
+from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import Run, serial, solo
+from tensorfold_lfm2.kernels import records
+from tensorfold_lfm2.ops import OPS
+from tensorfold_lfm2.serving import ServedConv, ServedMoe
+
+PROMPTS = ["import os\nimport", "def main(argv):\n", "class Point:\n    def __init__(self"]
+BF16 = LoadOptions(dtype="bfloat16")
+
+
+def test_every_record_the_table_names_exists_with_the_implementation_its_backend_runs():
+    by_name = {record.name: record for record in records()}
+    for op, choices in OPS.items():
+        assert set(choices) == {"cpu", "cuda", "metal"}, op
+        for backend, name in choices.items():
+            if name != BUILTIN:
+                assert RECORDS_KIND[backend] in by_name[name].implementations, (op, backend, name)
+                assert by_name[name].family == "lfm2", name
+
+
+def test_every_lfm2_record_passes_its_own_checks_with_controls_planted():
+    assert {r.name: r.problems() for r in records()} == {r.name: [] for r in records()}
+
+
+def test_on_cuda_every_row_path_op_is_served_by_an_lfm2_record():
+    chosen = served(OPS, "cuda")
+    assert all(name != BUILTIN and name.startswith("lfm2") for name in chosen.values()), chosen
+
+
+def test_the_cpu_serves_every_op_through_mlx_built_ins_and_capabilities_show_the_table(monkeypatch):
+    monkeypatch.delenv(KERNELS_ENV, raising=False)  # the table's own choice, whatever the run overrides
+    model, _, _ = load_model("tiny-lfm2-moe", BF16)
+    assert model.kernels == {op: BUILTIN for op in OPS} and model.served_head is None
+    layer = model.model.layers[0]
+    assert isinstance(layer.conv.in_proj, nn.Linear) and layer.conv.served is None
+    family = next(f for f in capabilities(ServeOptions())["families"] if f["name"] == "lfm2_moe")
+    assert family["kernels"] == describe(OPS) and family["kernels"]["table"]["short conv"]["cuda"] == \
+        "lfm2 stream conv"
+
+
+@pytest.fixture
+def through_records(monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, "records")
+
+
+def _models(name: str, monkeypatch):
+    recorded, tokenizer, _ = load_model(name, BF16)
+    monkeypatch.setenv(KERNELS_ENV, "builtin")
+    builtin, _, _ = load_model(name, BF16)
+    monkeypatch.setenv(KERNELS_ENV, "records")
+    return recorded, builtin, tokenizer
+
+
+def test_served_through_its_records_the_dense_model_stays_within_bf16_rounding_of_the_built_ins(through_records,
+                                                                                                monkeypatch):
+    recorded, builtin, tokenizer = _models("tiny-lfm2", monkeypatch)
+    layers = recorded.model.layers
+    conv, attention = layers[0], next(layer for layer in layers if layer.is_attention_layer)
+    assert isinstance(conv.conv.in_proj, RecordLinear) and isinstance(conv.conv.served, ServedConv)
+    assert isinstance(attention.self_attn.q_layernorm, RecordNorm) and attention.self_attn.attend is not None
+    assert isinstance(recorded.model.embedding_norm, RecordNorm) and isinstance(recorded.served_head, RecordLinear)
+    for text in PROMPTS:  # the records sum in their own fixed orders: the last bf16 bits may differ
+        ids = tokenizer.encode(text)
+        ours, theirs = (m.forward([m.new_cache(64)], [ids], [len(ids)]) for m in (recorded, builtin))
+        assert mx.abs(ours - theirs).max().item() <= 4 * 2.0 ** -7 * mx.abs(theirs).max().item()
+
+
+@pytest.mark.parametrize("name", ["tiny-lfm2-moe", "tiny-lfm2-moe-4bit"])
+def test_served_through_its_records_a_moe_block_gives_the_built_in_block_s_rows_bit_for_bit(name, through_records,
+                                                                                             monkeypatch):
+    # a whole forward is no test here: a last-bit difference upstream (attention) may flip a router's pick
+    recorded, builtin, _ = _models(name, monkeypatch)
+    ours, theirs = recorded.model.layers[-1].feed_forward, builtin.model.layers[-1].feed_forward
+    assert isinstance(ours, ServedMoe) and isinstance(ours.served_gate, RecordLinear)
+    rows = (mx.random.normal((40, 256), key=mx.random.key(3)) * 0.5).astype(mx.bfloat16)
+    assert mx.array_equal(ours(rows), theirs(rows)).item()
+    assert mx.array_equal(ours(rows[7:8]), theirs(rows)[7:8]).item()
+
+
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
+def test_served_through_its_records_concurrent_replies_equal_the_ones_served_alone(name, through_records):
+    model, tokenizer, _ = load_model(name, BF16)
+    requests = [GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=12, sampling=sampling)
+                for text in PROMPTS for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=5))]
+    run = Run(model, parallel=len(requests))
+    for sid, request in enumerate(requests):
+        run.submit(sid, request)
+    run.finish()
+    for sid, request in enumerate(requests):
+        assert run.tokens(sid) == solo(model, serial(request))
