@@ -64,3 +64,19 @@ def records_served(table: Mapping[str, Mapping[str, str]], records: Callable[[],
               if name != BUILTIN and kind in by_name[name].implementations}
     labels = {op: (f"{name} ({kind})" if op in usable else BUILTIN) for op, name in choice.items()}
     return usable, kind, labels
+
+
+def missing_records(table: Mapping[str, Mapping[str, str]], records: list) -> list[str]:
+    """What a family's table names and its plugin does not ship: a record, or its implementation for a backend."""
+    by_name = {record.name: record for record in records}
+    out = []
+    for op, choices in table.items():
+        out += [f"{op}: no {on} column" for on in BACKENDS if on not in choices]
+        for on, name in choices.items():
+            if name == BUILTIN:
+                continue
+            if name not in by_name:
+                out.append(f"{op} on {on}: no record {name!r}")
+            elif RECORDS_KIND[on] not in by_name[name].implementations:
+                out.append(f"{op} on {on}: {name!r} has no {RECORDS_KIND[on]} implementation")
+    return out

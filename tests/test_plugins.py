@@ -72,3 +72,14 @@ def test_the_installed_llama_plugin_registers_the_llama_family():
     pm = new_plugin_manager()
     names = [f.name for f in Registry(pm).families()]
     assert "llama" in names
+
+
+def test_a_table_naming_a_record_its_plugin_lacks_or_a_backend_it_cannot_run_is_reported():
+    from tensorfold_core.kernels import missing_records
+    from tensorfold_llama.kernels import records
+
+    table = {"projection bf16": {"cpu": "mlx", "cuda": "llama gemv bf16", "metal": "llama gemv q4"},
+             "norm": {"cpu": "mlx", "cuda": "llama layernorm"}}
+    assert missing_records(table, records()) == [
+        "projection bf16 on metal: 'llama gemv q4' has no metal implementation", "norm: no metal column",
+        "norm on cuda: no record 'llama layernorm'"]
