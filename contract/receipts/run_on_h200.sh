@@ -3,8 +3,10 @@
 # shared/device/README.md) but not tensorfold: the plugins' entry points are written into a throwaway site, so
 # nothing is pip-installed and nothing outside numpy, pluggy and MLX is imported (no server, no pydantic).
 # Usage, from the repository root:  bash contract/receipts/run_on_h200.sh [contract|bench|exact|all]   (default: all)
-# `exact` (not in `all`): tools/device/gpu_exact.py, the probe and drafted == plain == concurrent per kernel table
-# mode, which loads models through tensorfold_core and so needs pydantic (carried as wheels, docs/gpu.md).
+# `exact` (not in `all`): tools/device/gpu_exact.py, the probe and drafted == "draft": false == shared == resumed per
+# family and kernel table mode (exit 1 on a records-mode mismatch); it loads models through tensorfold_core and so
+# needs pydantic and llguidance (carried as wheels, docs/gpu.md). TF_EXACT_ARGS passes flags on, e.g.
+# TF_EXACT_ARGS="--families llama,lfm2 --tokens 16". Writes $OUT/gpu_exact.json and $OUT/gpu_exact.txt.
 # TF_CONTRACT_ARGS passes flags on, e.g. TF_CONTRACT_ARGS="--seed 7 --only *gemv*" (globs with no spaces);
 # TF_COMMIT names the commit in env.txt (the device's copy has no .git: tools/device/stage.sh prints it).
 # On a GPU each record runs in a child process of its own (--isolate is the default there): a crash in MLX fails
@@ -87,7 +89,7 @@ if [ "$what" = exec ]; then  # any command with tensorfold and its plugins impor
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = exact ]; then
-  python3 tools/device/gpu_exact.py --out "$out" 2>&1 | tee "$out/gpu_exact.txt"
+  python3 tools/device/gpu_exact.py --out "$out" ${TF_EXACT_ARGS:-} 2>&1 | tee "$out/gpu_exact.txt"
   rc=${PIPESTATUS[0]}
 fi
 rm -rf "$site"

@@ -1,9 +1,14 @@
-"""On a GPU: the load probe, drafted == plain == concurrent, and plain decode speed, per kernel table mode.
+"""On the H200 (and the CPU): the load probe and drafted == "draft": false == shared == resumed, per family and mode.
 
-Each mode runs in a child process with TENSORFOLD_KERNELS set: `builtin` (MLX's own ops everywhere) and `records`
-(the family's table: its kernel records where it names them). Rounds are forced shared and drafted even where the
-probe fails, so a backend that is not row-invariant shows its mismatches instead of hiding them.
-Usage: python3 tools/device/gpu_exact.py --out DIR [--model tiny-llama] [--drafter tiny-llama-drafter]
+Each family and mode runs in a child process with TENSORFOLD_KERNELS set: `builtin` (MLX's own ops everywhere) and
+`records` (the family's table: its kernel records where it names them). The reference is each request served alone
+with draft=False; against it: drafted alone, plain and drafted at each --streams count with streams joining a running
+engine and neighbours cancelled mid-run, and two passes through a prompt cache (the second resumes each prompt's
+kept state), greedy and seeded. Rounds are shared and drafted even where the probe fails, so a backend that is not
+row-invariant shows its mismatches instead of hiding them. Exit 1 on a mismatch or a failed child in `records` mode;
+`builtin` is reported only (on CUDA it is expected to differ).
+Usage: python3 tools/device/gpu_exact.py --out DIR [--families llama,lfm2] [--modes records] [--tokens 32]
+       [--prompts 12] [--streams 4,8]     (docs/gpu.md: how to run it on the H200, what it prints)
 """
 
 from __future__ import annotations
@@ -16,98 +21,110 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Point:\n    def __init__(self, x, y):\n",
-           "def fib(n):\n    if n < 2:\n", "for i in range(10):\n    print(", "import json\n\n\ndef load(path):\n",
-           "    def __repr__(self):\n        return", "try:\n    import numpy as np\nexcept ImportError:\n",
-           "def parse_args():\n    parser = argparse.ArgumentParser("]
+from exact_cases import FAMILIES, PROMPTS, run_family
+
+MODES = ("builtin", "records")
 
 
-def decode_all(engine_of, requests, together: bool) -> list[list[int]]:
-    """Each request's token ids: alone in a fresh engine each, or all streams in one engine's shared rounds."""
-    from tensorfold_core.lanes.stream import Stream
-    from tensorfold_core.lanes.types import TokenEvent
-
-    groups = [list(range(len(requests)))] if together else [[i] for i in range(len(requests))]
-    out: list[list[int]] = [[] for _ in requests]
-    for group in groups:
-        engine = engine_of()
-        for i in group:
-            request = requests[i]
-            limit = len(request.prompt_ids) + request.max_tokens
-            on_event = (lambda i: lambda e: out[i].extend(e.token_ids) if isinstance(e, TokenEvent) else None)(i)
-            engine.add(Stream(id=i + 1, request=request, cache=engine.model.new_cache(limit), on_event=on_event,
-                              limit=limit))
-        engine.run_until_idle()
-    return out
+def expected_cases(prompts: int, streams: list[int], drafted: bool) -> int:
+    """Cases per family and mode: greedy and seeded per prompt, in each run compared with the reference."""
+    runs = 1 + 2 * len(streams) + 4 if drafted else len(streams) + 2
+    return 2 * prompts * runs
 
 
-def child(args) -> dict:
-    import mlx.core as mx
+def summary(reports: list[dict]) -> list[str]:
+    """One line per family and mode (shared: plain tok/s at the most streams), then the mismatches (ten at most
+    per family and mode) and failures."""
+    lines = [f"{'family':<14} {'mode':<8} {'probe':<5} {'cases':>5} {'mismatches':>10} {'plain tok/s':>11} "
+             f"{'shared':>8} {'drafts kept/offered':>19} {'resumed tokens':>14} {'seconds':>7}"]
+    notes = []
+    for r in reports:
+        if "error" in r:
+            lines.append(f"{r['family']:<14} {r['mode']:<8} FAILED (see below)")
+            notes.append(f"{r['family']} {r['mode']}: {r['error']}")
+            continue
+        runs = r["runs"].values()
+        together = [v for k, v in r["speeds"].items() if k.startswith("plain ")]  # the last: the most streams
+        kept = f"{sum(v['accepted'] for v in runs)}/{sum(v['drafted'] for v in runs)}"
+        lines.append(f"{r['family']:<14} {r['mode']:<8} {'pass' if r['probe']['row_invariant'] else 'FAIL':<5} "
+                     f"{r['cases']:>5} {len(r['mismatches']):>10} {r['plain tok/s (alone, prefill included)']:>11} "
+                     f"{together[-1] if together else '-':>8} {kept:>19} "
+                     f"{sum(v['cached_tokens'] for v in runs):>14} {r['seconds']:>7}")
+        if not r["probe"]["row_invariant"]:
+            notes.append(f"{r['family']} {r['mode']}: probe: {r['probe']['detail']}")
+        if r["cases"] != r["expected cases"]:
+            notes.append(f"{r['family']} {r['mode']}: {r['cases']} cases, expected {r['expected cases']}")
+        notes += [f"{r['family']} {r['mode']}: {m}" for m in r["mismatches"][:10]]
+        if len(r["mismatches"]) > 10:
+            notes.append(f"{r['family']} {r['mode']}: ... {len(r['mismatches']) - 10} more in the JSON")
+    return lines + notes
 
-    from tensorfold_core.lanes.engine import Engine
-    from tensorfold_core.lanes.types import GenerationRequest
-    from tensorfold_core.loading import load_target, start_drafter
-    from tensorfold_core.options import ServeOptions
-    from tensorfold_core.sampling import SamplingParams
-    from tensorfold_core.specs import DrafterOptions
 
-    target = load_target(args.model, ServeOptions(dtype="bfloat16"))
-    model, tokenizer = target.model, target.tokenizer
-    drafter = start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype="bfloat16"))
-    report = {"mode": os.environ.get("TENSORFOLD_KERNELS"), "device": str(mx.default_device()),
-              "kernels": model.kernels, "probe": target.probe, "cases": 0, "mismatches": []}
-    for label, sampling in (("greedy", lambda i: SamplingParams()),
-                            ("seeded", lambda i: SamplingParams(temperature=0.8, seed=100 + i))):
-        requests = [GenerationRequest(prompt_ids=tokenizer.encode(p), max_tokens=args.tokens, sampling=sampling(i),
-                                      stop_token_ids=frozenset(tokenizer.eos_ids)) for i, p in enumerate(PROMPTS)]
-        serial = [GenerationRequest(r.prompt_ids, r.max_tokens, r.sampling, r.stop_token_ids, draft=False)
-                  for r in requests]
-        start = time.perf_counter()
-        plain = decode_all(lambda: Engine(model, copy_drafts=False), serial, together=False)
-        plain_s = time.perf_counter() - start
-        runs = {
-            "drafted alone": decode_all(lambda: Engine(model, drafter=drafter, copy_drafts=True), requests, False),
-            "plain together": decode_all(lambda: Engine(model, copy_drafts=False), serial, True),
-            "drafted together": decode_all(lambda: Engine(model, drafter=drafter), requests, True),
-        }
-        tokens = sum(len(ids) for ids in plain)
-        report[f"{label} plain tok/s (one stream at a time, prefill included)"] = round(tokens / plain_s, 1)
-        for name, ids in runs.items():
-            for i, (want, got) in enumerate(zip(plain, ids)):
-                report["cases"] += 1
-                if want != got:
-                    at = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-                    report["mismatches"].append(f"{label} {name} prompt {i}: first difference at token {at}")
-    return report
+def failed(report: dict) -> bool:
+    """Whether the report fails the run: records mode only, on a mismatch, a crash or a missing case."""
+    if report["mode"] != "records":
+        return False
+    return "error" in report or bool(report["mismatches"]) or report["cases"] != report["expected cases"]
+
+
+def child(command: list[str], mode: str, timeout: float) -> dict:
+    """One family under one kernel table mode, in a process of its own: its report, or {"error": why}."""
+    env = dict(os.environ, TENSORFOLD_KERNELS=mode)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return {"error": f"{err[-2000:]}\ntimed out after {timeout:g} s (--child-timeout)"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"error": done.stderr[-3000:] or f"exit {done.returncode}"}
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return {"error": f"no report on its last line: {lines[-1][:200]!r}; {done.stderr[-2000:]}"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default="tiny-llama")
-    parser.add_argument("--drafter", default="tiny-llama-drafter")
-    parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help="writes gpu_exact.json here (required)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help=f"of {', '.join(FAMILIES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help="kernel table modes (TENSORFOLD_KERNELS)")
+    parser.add_argument("--tokens", type=int, default=32, help="reply tokens of the shortest request")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
+    parser.add_argument("--streams", default="4,8", help="concurrent stream counts of the shared runs")
+    parser.add_argument("--child-timeout", type=float, default=300, help="seconds a family and mode may take")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    streams = [int(n) for n in args.streams.split(",")]
     if args.child:
-        print(json.dumps(child(args)))
+        print(json.dumps(run_family(args.child, args.tokens, args.prompts, streams)))
         return 0
+    if args.out is None:
+        parser.error("--out is required")
+    families, modes = args.families.split(","), args.modes.split(",")
+    unknown = [f for f in families if f not in FAMILIES] + [m for m in modes if m not in MODES]
+    if unknown or not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"unknown {', '.join(unknown)}" if unknown else f"--prompts: 1..{len(PROMPTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    reports, failed = [], False
-    for mode in ("builtin", "records"):
-        env = dict(os.environ, TENSORFOLD_KERNELS=mode)
-        done = subprocess.run([sys.executable, __file__, "--child", "--out", str(args.out), "--model", args.model,
-                               "--drafter", args.drafter, "--tokens", str(args.tokens)], env=env,
-                              capture_output=True, text=True)
-        if done.returncode:
-            reports.append({"mode": mode, "error": done.stderr[-3000:]})
-            failed = True
-            continue
-        reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    (args.out / "gpu_exact.json").write_text(json.dumps(reports, indent=1))
-    for r in reports:
-        print(json.dumps(r, indent=1))
-    return 1 if failed else 0
+    reports, started = [], time.perf_counter()
+    for family in families:
+        for mode in modes:
+            command = [sys.executable, __file__, "--child", family, "--tokens", str(args.tokens),
+                       "--prompts", str(args.prompts), "--streams", args.streams]
+            expected = expected_cases(args.prompts, streams, FAMILIES[family].drafter is not None)
+            report = {"family": family, "mode": mode, **child(command, mode, args.child_timeout),
+                      "expected cases": expected}
+            reports.append(report)
+            print("\n".join(summary([report])[1:2]), flush=True)
+    took = round(time.perf_counter() - started, 1)
+    verdict = "FAIL" if any(failed(r) for r in reports) else "PASS"
+    (args.out / "gpu_exact.json").write_text(json.dumps({"verdict": verdict, "seconds": took, "tokens": args.tokens,
+                                                         "prompts": args.prompts, "streams": streams,
+                                                         "reports": reports}, indent=1))
+    print("\n".join(summary(reports)))
+    print(f"{verdict}: records mode {'has mismatches or failures' if verdict == 'FAIL' else 'exact'} "
+          f"({sum(r.get('cases', 0) for r in reports)} cases, {took} s)")
+    return 1 if verdict == "FAIL" else 0
 
 
 if __name__ == "__main__":
