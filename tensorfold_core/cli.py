@@ -129,12 +129,19 @@ def main():
 @serve_options
 def serve(model, **values):
     """Serve MODEL (a dir, a shipped name or a hub id; default: the shipped default model)."""
-    from .loading import load_host
+    from .group import join
+    from .loading import follow_group, load_host
     from .server import serve as run_server
 
     options = _options(**values)
+    joined = join()  # launched by `mlx.launch`: a group whose rank 0 serves and the others follow
+    if joined is not None and joined.rank > 0:
+        code = follow_group(model, options, joined)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     progress = _progress()
-    host = load_host(model, options, progress=progress)
+    host = load_host(model, options, progress=progress, joined=joined)
     progress("ready")
     try:
         run_server(host, options.host, options.port, options=options)
@@ -183,10 +190,12 @@ def capabilities(as_json):
     """What this install can do: version, backend, device, families, drafters, serve flags."""
     from .backend import backend_row_invariance
     from .capabilities import capabilities as caps
+    from .group import describe_launch
     from .memory.ledger import default_budget
 
     info = caps(ServeOptions(), extra={"row_invariance": backend_row_invariance(),
-                                       "memory": {"default_budget_bytes": default_budget()}})
+                                       "memory": {"default_budget_bytes": default_budget()},
+                                       "group": describe_launch()})
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return

@@ -30,5 +30,12 @@ class RequestError(TensorfoldError):
         self.kind = kind
 
 
+class GroupError(RequestError):
+    """A tensor-parallel group cannot serve: a rank failed, or could not join (HTTP 503 to a request)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503, kind="server_error", code="group_down")
+
+
 class DrafterError(TensorfoldError):
     """A drafter is refused for a target (tokenizer mismatch, role, width) or failed to start."""

@@ -9,9 +9,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .errors import RequestError
+from .errors import GroupError, RequestError
 from .lanes.engine import Engine
 from .lanes.stream import Stream
 from .lanes.types import DoneEvent, ErrorEvent, GenerationRequest, usage
@@ -21,6 +21,9 @@ from .memory.prompt_cache import PromptCache
 from .options import ServeOptions
 from .protocols import Drafter, Model
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .group import GroupModel
 
 log = logging.getLogger("tensorfold")
 
@@ -53,7 +56,8 @@ class Host:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, options: ServeOptions, *, model_id: str,
                  context: int, row_invariant: bool = True, capabilities: dict | None = None,
-                 drafter: Drafter | None = None, start: bool = True, timed: bool = True):
+                 drafter: Drafter | None = None, start: bool = True, timed: bool = True,
+                 group: "GroupModel | None" = None):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
@@ -62,6 +66,7 @@ class Host:
         # ids the model embeds and the tokenizer can write back: a prompt of ids must stay inside both
         self.vocab_size = min(model.vocab_size, tokenizer.backend.get_vocab_size(with_added_tokens=True))
         self.drafter = drafter
+        self.group = group  # the tensor-parallel group the model runs on (None: this process alone)
         budget = int(options.memory_gib * GIB) if options.memory_gib else default_budget()
         self.ledger = Ledger(budget)
         prompt_cache = PromptCache(self.ledger, int(options.prompt_cache_gib * GIB))
@@ -110,6 +115,8 @@ class Host:
         """Queue a request for the engine thread; one it can never serve raises RequestError here, and so does
         one that finds --max-queued requests already waiting (a 429)."""
         self.validate(request, prompt_param)
+        if self.group is not None and self.group.failure:
+            raise GroupError(self.group.failure)
         with self._in_flight_lock:
             if self._in_flight >= self.options.parallel + self.options.max_queued:
                 raise RequestError(f"{self._in_flight - self.options.parallel} requests are already waiting for "
@@ -181,8 +188,13 @@ class Host:
         return len(self._waiting)
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model_id, "streams": len(self.engine.streams),
-                "queued": self.queued(), "rounds": self.engine.rounds, "memory": self.admission.snapshot()}
+        report = {"status": "ok", "model": self.model_id, "streams": len(self.engine.streams),
+                  "queued": self.queued(), "rounds": self.engine.rounds, "memory": self.admission.snapshot()}
+        if self.group is not None:
+            report["group"] = self.group.report(self.admission.ledger.held())
+            if self.group.failure:
+                report.update(status="error", error=self.group.failure)
+        return report
 
     def metrics(self) -> dict:
         """What /metrics reads: streams, the ledger by kind, the prompt cache, and the engine's draft counters."""
@@ -201,6 +213,8 @@ class Host:
 
     def capabilities(self) -> dict:
         live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued()}
+        if self.group is not None:
+            live["group"] = self.group.report(self.admission.ledger.held())
         return {**self._capabilities, **live}
 
     def close(self) -> None:
@@ -210,4 +224,6 @@ class Host:
             self._thread.join(timeout=10)
         if self.drafter is not None:
             self.drafter.close()
+        if self.group is not None:  # last: the other ranks leave once no round can run
+            self.group.close()
 

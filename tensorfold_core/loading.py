@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .checkpoint import Checkpoint
 from .errors import CheckpointError, DrafterError, PluginError
@@ -16,6 +16,9 @@ from .plugins import Registry, registry as default_registry
 from .protocols import Drafter, Model
 from .specs import DRAFTER_ROLE_KEY, DrafterOptions, LoadOptions
 from .tokenizer import Tokenizer, tokenizer_difference
+
+if TYPE_CHECKING:
+    from .group import Joined
 
 log = logging.getLogger("tensorfold")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -122,11 +125,10 @@ class Target:
         return requested or min(positions, DEFAULT_CONTEXT_CAP)
 
 
-def load_target(model: str | None, options: ServeOptions, progress: Progress = lambda stage: None, *,
-                registry: Registry | None = None) -> Target:
-    """Resolve, refuse drafter-only checkpoints by name, load, and probe row invariance."""
-    from .probe import row_invariance
-
+def load_shard(model: str | None, options: ServeOptions, joined: "Joined | None",
+               progress: Progress = lambda stage: None, *,
+               registry: Registry | None = None) -> tuple[str, Model, Checkpoint]:
+    """Resolve, refuse drafter-only checkpoints by name, load, and keep this rank's shard where a group serves it."""
     registry = registry or default_registry()
     progress("resolving")
     name = model or registry.default_model().name
@@ -134,9 +136,40 @@ def load_target(model: str | None, options: ServeOptions, progress: Progress = l
     if drafter_only(ckpt, registry):
         raise DrafterError(f"{name} is admitted only as a drafter; serve a target with --drafter {name}")
     progress("loading weights")
-    loaded = registry.family_for(ckpt.model_type).load(ckpt, LoadOptions(dtype=options.dtype))
-    progress("probing row invariance")
+    family = registry.family_for(ckpt.model_type)
+    loaded = family.load(ckpt, LoadOptions(dtype=options.dtype))
+    if joined is not None:
+        from .shard import shard
+
+        if family.shard_plan is None:
+            raise CheckpointError(f"{name}: the {family.name} family declares no shard plan, so a group of "
+                                  f"{joined.group.size()} cannot serve it")
+        progress(f"keeping shard {joined.rank} of {joined.group.size()}")
+        loaded = shard(loaded, family.shard_plan(loaded), joined.group, str(ckpt.path))
+    return name, loaded, ckpt
+
+
+def load_target(model: str | None, options: ServeOptions, progress: Progress = lambda stage: None, *,
+                registry: Registry | None = None, joined: "Joined | None" = None) -> Target:
+    """Resolve, refuse drafter-only checkpoints by name, load (rank 0's shard in a group), probe row invariance."""
+    from .probe import row_invariance
+
+    name, loaded, ckpt = load_shard(model, options, joined, progress, registry=registry)
+    if joined is not None:
+        from .group import GroupModel
+
+        loaded = GroupModel(loaded, joined.group, joined.backend)
+    progress("probing row invariance")  # in a group every rank runs the probe's forwards
     return Target(name, loaded, ckpt.tokenizer(), ckpt, row_invariance(loaded))
+
+
+def follow_group(model: str | None, options: ServeOptions, joined: "Joined", *,
+                 registry: Registry | None = None) -> int:
+    """A rank past 0: load the same target, keep this rank's shard, and run rank 0's forwards until it stops."""
+    from .group import follow
+
+    _, loaded, _ = load_shard(model, options, joined, registry=registry)
+    return follow(loaded, joined.group)
 
 
 def drafter_name(model_name: str, requested: str | None, registry: Registry | None = None) -> str | None:
@@ -192,13 +225,13 @@ def _blas_hint() -> str:
 
 
 def load_host(model: str | None, options: ServeOptions, progress: Progress = lambda stage: None,
-              timed: bool = True):
+              timed: bool = True, joined: "Joined | None" = None):
     """Load the target and its drafter, and start the engine thread over them (untimed: depths never read the
-    clock, so tests see the same drafts however busy the machine is)."""
+    clock, so tests see the same drafts however busy the machine is); in a group, rank 0's host."""
     from .capabilities import capabilities
     from .host import Host
 
-    target = load_target(model, options, progress)
+    target = load_target(model, options, progress, joined=joined)
     drafter, draft_name = None, drafter_name(target.name, options.drafter)
     if not target.row_invariant:
         log.warning("backend is not row-invariant (%s): each stream runs its own forward, undrafted%s",
@@ -211,4 +244,5 @@ def load_host(model: str | None, options: ServeOptions, progress: Progress = lam
             "model_type": target.checkpoint.model_type, "drafter": draft_name if drafter is not None else None,
             "kernels": {"backend": backend(), "serving": target.model.kernels}}
     return Host(target.model, target.tokenizer, options, model_id=model_id, context=target.context(options.context),
-                capabilities=capabilities(options, extra=info), drafter=drafter, timed=timed)
+                capabilities=capabilities(options, extra=info), drafter=drafter, timed=timed,
+                group=target.model if joined is not None else None)

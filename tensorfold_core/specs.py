@@ -13,6 +13,7 @@ from .protocols import MAX_DRAFT_DEPTH
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .shard import ShardPlan
     from .protocols import Drafter, Model
 
 DRAFTER_ROLE_KEY = "tensorfold_role"  # config.json key; "drafter": served only as a drafter (the zoo writes it)
@@ -37,6 +38,8 @@ class Family:
     drafter_only: Callable[[dict], bool] = lambda config: False
     # which implementation backs each row-path op on each backend (tensorfold_core.kernels): op -> backend -> impl
     kernels: dict = field(default_factory=dict)
+    # what a group splits over its ranks (tensorfold_core.shard.ShardPlan) for a loaded model; None: served whole only
+    shard_plan: Callable[["Model"], "ShardPlan"] | None = None
 
 
 @dataclass(frozen=True)

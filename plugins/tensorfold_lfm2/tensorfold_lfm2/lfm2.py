@@ -192,6 +192,8 @@ class Lfm2Model(nn.Module):
 class Model(nn.Module):
     """An LFM2 checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
 
+    shards = 1  # ranks the heads and conv channels are split over: a group's shard (tensorfold_core.shard) sets it
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -228,8 +230,8 @@ class Model(nn.Module):
     def _shape(self) -> Shape:
         a = self.args
         attention = sum(map(a.attends, range(a.num_hidden_layers)))
-        return Shape(attention, a.num_key_value_heads, a.head_dim, a.num_hidden_layers - attention, a.hidden_size,
-                     a.conv_L_cache - 1, self.dtype)
+        return Shape(attention, a.num_key_value_heads // self.shards, a.head_dim, a.num_hidden_layers - attention,
+                     a.hidden_size // self.shards, a.conv_L_cache - 1, self.dtype)
 
     def new_cache(self, capacity: int, marks: int = 0) -> HybridCache:
         """A cache for `capacity` tokens plus one window; `marks` > 0 keeps conv states every `marks` tokens."""

@@ -18,12 +18,18 @@ def _load(ckpt, options):
     return load(ckpt, options)
 
 
+def _shard_plan(model):
+    from .shard import plan  # imported with the model, as the loader is
+
+    return plan(model)
+
+
 @hookimpl
 def tensorfold_families():
     return [
-        Family(name="lfm2", model_types=("lfm2",), load=_load, kernels=OPS,
+        Family(name="lfm2", model_types=("lfm2",), load=_load, kernels=OPS, shard_plan=_shard_plan,
                description="LFM2: short-conv and attention hybrids, dense or MLX affine-quantized"),
-        Family(name="lfm2_moe", model_types=("lfm2_moe",), load=_load, kernels=OPS,
+        Family(name="lfm2_moe", model_types=("lfm2_moe",), load=_load, kernels=OPS, shard_plan=_shard_plan,
                description="LFM2-MoE: LFM2 with sigmoid-routed experts, dense or MLX affine-quantized"),
     ]
 

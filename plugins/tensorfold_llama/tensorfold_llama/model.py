@@ -162,6 +162,7 @@ class Model(nn.Module):
     """A llama checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
 
     taps = 0  # no layer taps: the llama family hands no drafter its hidden rows
+    shards = 1  # ranks the heads are split over: a group's shard (tensorfold_core.shard) sets it
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -183,7 +184,7 @@ class Model(nn.Module):
 
     def new_cache(self, capacity: int, marks: int = 0) -> KVCache:
         a = self.args  # keys trim to any prefix, so no marks are needed
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, capacity, self.dtype)
+        return KVCache(a.num_hidden_layers, a.num_key_value_heads // self.shards, a.head_dim, capacity, self.dtype)
 
     def snapshot(self, cache: KVCache) -> KeptKV:
         """A standalone copy of the committed tokens' keys and values (a kept prompt state)."""
@@ -200,7 +201,8 @@ class Model(nn.Module):
 
     def cache_bytes(self, tokens: int) -> int:
         a = self.args
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * (tokens + WINDOW_SLACK) * self.dtype.size
+        heads = a.num_key_value_heads // self.shards  # this rank's share
+        return 2 * a.num_hidden_layers * heads * a.head_dim * (tokens + WINDOW_SLACK) * self.dtype.size
 
     def forward(self, caches: Sequence[KVCache], windows: Sequence[Sequence[int]],
                 logit_rows: Sequence[int]) -> mx.array:

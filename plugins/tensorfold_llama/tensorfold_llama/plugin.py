@@ -18,9 +18,15 @@ def _load(ckpt, options):
     return load(ckpt, options)
 
 
+def _shard_plan(model):
+    from .shard import plan  # imported with the model, as the loader is
+
+    return plan(model)
+
+
 @hookimpl
 def tensorfold_families():
-    return [Family(name="llama", model_types=("llama", "mistral"), load=_load, kernels=OPS,
+    return [Family(name="llama", model_types=("llama", "mistral"), load=_load, kernels=OPS, shard_plan=_shard_plan,
                    description="Llama 1/2/3 and Mistral-style decoders, dense or MLX affine-quantized")]
 
 

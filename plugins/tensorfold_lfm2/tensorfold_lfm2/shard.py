@@ -1,0 +1,42 @@
+"""The lfm2 and lfm2_moe families' shard plan: attention heads, conv channels, MLPs and experts over a group."""
+
+from __future__ import annotations
+
+from tensorfold_core.shard import ShardPlan, split_modules
+
+from .lfm2_moe import SparseMoeBlock
+
+
+def plan(model) -> ShardPlan:
+    """Conv: in_proj's B, C and x blocks split alike by channel, the depthwise conv by channel, out_proj by inputs;
+    attention by whole heads; MLPs and every expert's matrices gate/up by outputs, down by inputs; the router whole."""
+    a = model.args
+    columns, blocks, rows, channels, reduce, divide = [], [], [], [], [], []
+    for i, layer in enumerate(model.model.layers):
+        at = f"model.layers.{i}"
+        if layer.is_attention_layer:
+            columns += split_modules([f"{at}.self_attn"], ("q_proj", "k_proj", "v_proj"))
+            rows.append(f"{at}.self_attn.out_proj")
+            reduce.append(f"{at}.self_attn.out_proj")
+            divide += [(f"{at}.self_attn", "n_heads"), (f"{at}.self_attn", "n_kv_heads")]
+        else:
+            blocks.append((f"{at}.conv.in_proj", 3))
+            channels.append(f"{at}.conv.conv")
+            divide.append((f"{at}.conv.conv", "groups"))
+            rows.append(f"{at}.conv.out_proj")
+            reduce.append(f"{at}.conv.out_proj")
+        ff = f"{at}.feed_forward"
+        if isinstance(layer.feed_forward, SparseMoeBlock):  # one reduce after the weighed experts, not one each
+            columns += split_modules([f"{ff}.switch_mlp"], ("gate_proj", "up_proj"))
+            rows.append(f"{ff}.switch_mlp.down_proj")
+            reduce.append(ff)
+            continue
+        up, gate, down = ("w1", "w3", "w2") if "w1" in layer.feed_forward else ("gate_proj", "up_proj", "down_proj")
+        columns += split_modules([ff], (up, gate))
+        rows.append(f"{ff}.{down}")
+        reduce.append(f"{ff}.{down}")
+    # the MLPs' widths are checked where they split, naming the module
+    sizes = {"num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+             "hidden_size": a.hidden_size}
+    return ShardPlan(columns=tuple(columns), blocks=tuple(blocks), rows=tuple(rows), channels=tuple(channels),
+                     reduce=tuple(reduce), divide=tuple(divide), sizes=sizes)

@@ -1,0 +1,159 @@
+"""Tensor-parallel shards: a family's plan of which modules split how, applied to a loaded model for one rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import CheckpointError
+from .protocols import Model
+
+QUANTIZED_PARTS = ("weight", "scales", "biases")  # an affine-quantized matrix: codes, and per-group scale and bias
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What a family splits, by module path in `model.named_modules()`: each rank keeps its 1/size of every split."""
+
+    columns: tuple[str, ...] = ()  # projections split by outputs (q/k/v, gate/up, experts' gate/up)
+    blocks: tuple[tuple[str, int], ...] = ()  # projections whose outputs are n blocks split alike (LFM2's B, C, x)
+    rows: tuple[str, ...] = ()  # projections split by inputs (o, down): their partial sums need a reduce
+    channels: tuple[str, ...] = ()  # depthwise convs: a channel's kernel moves with the channel
+    reduce: tuple[str, ...] = ()  # modules whose outputs are summed over the group (each holds or follows a row split)
+    divide: tuple[tuple[str, str], ...] = ()  # (module path, attribute): counts split with the matrices (heads, groups)
+    sizes: dict[str, int] = field(default_factory=dict)  # config key -> value the group size must divide
+
+
+@runtime_checkable
+class ShardedModel(Model, Protocol):
+    """A Model whose caches size themselves by `shards`: the ranks its heads and channels are split over."""
+
+    shards: int
+
+
+def fixed_sum(partial: mx.array, group: mx.distributed.Group) -> mx.array:
+    """Every rank's partial rows summed rank 0 first, the same order on every rank and for every row count."""
+    # all_gather then a left fold, not all_sum: a ring's reduction order depends on the buffer's chunking, so with
+    # three ranks or more a row's sum could change with the rows beside it; data movement alone keeps rows apart
+    parts = mx.split(mx.distributed.all_gather(partial, group=group), group.size(), axis=0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+class Reduced(nn.Module):
+    """A module whose output is a rank's partial sum, summed over the group; a split projection's bias added once."""
+
+    def __init__(self, inner: nn.Module, group: mx.distributed.Group, bias: mx.array | None = None):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        if bias is not None:
+            self.bias = bias
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        out = fixed_sum(self.inner(*args, **kwargs), self.group)
+        return out + self.bias if "bias" in self else out
+
+
+def _piece(a: mx.array, axis: int, rank: int, size: int, blocks: int = 1) -> mx.array:
+    """This rank's share of each of `blocks` equal blocks along `axis`, the blocks' shares side by side."""
+    n = a.shape[axis]
+    if n % (blocks * size):
+        raise ValueError(f"{n} along axis {axis} does not split into {blocks} blocks over {size} ranks")
+    step = n // (blocks * size)
+    pieces = [mx.take(a, mx.arange((b * size + rank) * step, (b * size + rank + 1) * step), axis=axis)
+              for b in range(blocks)]
+    return mx.contiguous(pieces[0] if blocks == 1 else mx.concatenate(pieces, axis=axis))
+
+
+def _split_outputs(module: nn.Module, rank: int, size: int, blocks: int = 1) -> None:
+    for name in QUANTIZED_PARTS:
+        if name in module:
+            module[name] = _piece(module[name], -2, rank, size, blocks)
+    if "bias" in module:
+        module["bias"] = _piece(module["bias"], -1, rank, size, blocks)
+
+
+def _split_inputs(module: nn.Module, rank: int, size: int) -> None:
+    group = getattr(module, "group_size", None)  # a quantized matrix splits only on whole quantization groups
+    if group is not None:
+        inputs = module["scales"].shape[-1] * group
+        if (inputs // size) % group:
+            raise ValueError(f"{inputs} inputs over {size} ranks are not whole groups of {group}")
+    for name in QUANTIZED_PARTS:
+        if name in module:
+            module[name] = _piece(module[name], -1, rank, size)
+
+
+def _split_channels(module: nn.Module, rank: int, size: int) -> None:
+    module["weight"] = _piece(module["weight"], 0, rank, size)
+    if "bias" in module:
+        module["bias"] = _piece(module["bias"], 0, rank, size)
+
+
+def _set(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    holder = _find(root, parent) if parent else root
+    if isinstance(holder, list):
+        holder[int(name)] = value
+    else:
+        setattr(holder, name, value)
+
+
+def _find(root: nn.Module, path: str):
+    node = root
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def check_plan(plan: ShardPlan, size: int, source: str) -> None:
+    """Refuse a group the model's shapes cannot split evenly, naming the config key."""
+    for key, value in plan.sizes.items():
+        if value % size:
+            raise CheckpointError(f"{source}: {key} {value} does not split over a group of {size} ranks")
+
+
+def shard(model: Model, plan: ShardPlan, group: mx.distributed.Group, source: str = "the model") -> Model:
+    """Keep this rank's shard of every split in `plan`, reduce where it says, and size the caches per rank."""
+    rank, size = group.rank(), group.size()
+    check_plan(plan, size, source)
+    if not isinstance(model, ShardedModel):
+        raise CheckpointError(f"{source}: the {model.model_type} family's model has no `shards` to size its caches")
+    if any(label != "mlx" for label in model.kernels.values()):
+        served = sorted(op for op, label in model.kernels.items() if label != "mlx")
+        raise CheckpointError(f"{source}: a group serves MLX's built-in ops; {', '.join(served)} are served by "
+                              "kernel records here (TENSORFOLD_KERNELS=builtin shards)")
+    steps = ([(path, _split_outputs, ()) for path in plan.columns]
+             + [(path, _split_outputs, (blocks,)) for path, blocks in plan.blocks]
+             + [(path, _split_inputs, ()) for path in plan.rows]
+             + [(path, _split_channels, ()) for path in plan.channels])
+    for path, split, extra in steps:
+        try:
+            split(_find(model, path), rank, size, *extra)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise CheckpointError(f"{source}: cannot split {path} over {size} ranks ({exc})") from exc
+    for path, attribute in plan.divide:
+        module = _find(model, path)
+        setattr(module, attribute, getattr(module, attribute) // size)
+    rows = set(plan.rows)
+    for path in plan.reduce:
+        module, bias = _find(model, path), None
+        if path in rows and "bias" in module:  # the bias joins after the sum, once, not once per rank
+            bias = module.pop("bias")
+        elif any(r.startswith(path + ".") and "bias" in _find(model, r) for r in rows):
+            raise CheckpointError(f"{source}: {path} sums a split projection with a bias inside it")
+        _set(model, path, Reduced(module, group, bias))
+    model.shards = size
+    mx.eval(model.parameters())
+    return model
+
+
+def split_modules(paths: Sequence[str], names: Sequence[str]) -> tuple[str, ...]:
+    """Every `path.name` for the given module paths and child names (a plan's rows are written this way)."""
+    return tuple(f"{path}.{name}" for path in paths for name in names)

@@ -1,0 +1,142 @@
+"""Tensor-parallel groups on two local ranks (ring backend): exact replies within the group, a failed rank seen."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from group_helpers import HERE, launch
+from tensorfold_core.errors import CheckpointError
+from tensorfold_core.group import Forward, Free, Keep, NewCache, Stop, decode, encode, launched
+from tensorfold_core.loading import load_model
+from tensorfold_core.plugins import registry
+from tensorfold_core.shard import shard
+
+FAMILIES = ("tiny-llama", "tiny-lfm2", "tiny-lfm2-moe")  # llama, lfm2 (w1/w3/w2 MLPs), lfm2_moe (experts)
+
+
+def _two_ranks() -> tuple[object, object]:
+    """A stand-in for rank 0 and rank 1's groups: sharding reads only rank and size."""
+    return tuple(SimpleNamespace(rank=lambda r=r: r, size=lambda: 2) for r in range(2))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_shard_keeps_half_of_every_split_matrix_and_sizes_caches_per_rank(name):
+    whole, _, _ = load_model(name)
+    half, _, _ = load_model(name)
+    family = registry().family_for(whole.model_type)
+    shard(half, family.shard_plan(half), _two_ranks()[1])
+    assert half.shards == 2
+    assert half.cache_bytes(100) < whole.cache_bytes(100)
+    a = whole.args
+    attention = next(layer for layer in half.model.layers if hasattr(layer, "self_attn")).self_attn
+    assert (attention.n_heads, attention.n_kv_heads) == (a.num_attention_heads // 2, a.num_key_value_heads // 2)
+    assert attention.k_proj.weight.shape[0] == a.num_key_value_heads // 2 * a.head_dim
+    assert half.model.embed_tokens.weight.shape == whole.model.embed_tokens.weight.shape  # replicated
+
+
+def test_a_quantized_row_split_that_would_cut_a_quantization_group_is_refused_by_name():
+    model, _, _ = load_model("tiny-lfm2-moe-4bit")
+    plan = registry().family_for(model.model_type).shard_plan(model)
+    with pytest.raises(CheckpointError, match=r"switch_mlp\.down_proj .*not whole groups of 64"):
+        shard(model, plan, _two_ranks()[0])
+
+
+def test_rank_0s_commands_survive_their_encoding_in_order():
+    commands = [NewCache(1, 64, 8), Forward([1], [5, 6, 7], [3], [1], False), Keep(1, 3), Free([1], [2]), Stop()]
+    assert decode(encode(commands)) == commands
+
+
+def test_the_launchers_environment_names_the_group_before_any_rank_joins(tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
+    assert launched({}) is None
+    found = launched({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "1"})
+    assert (found.backend, found.rank, found.size) == ("ring", 1, 2)
+
+
+def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_greedy_and_seeded(tmp_path):
+    ranks = launch([sys.executable, str(HERE.parent / "group_helpers.py"), *FAMILIES], tmp_path,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = [rank.communicate(timeout=600) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    lines = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
+    served = [line for line in lines if "cases" in line]
+    assert [line["model"] for line in served] == list(FAMILIES)
+    for found in served:
+        assert found["probe"]["row_invariant"], found["probe"]  # the probe ran on the group
+        for mode, case in found["cases"].items():
+            assert case["errors"] == []
+            assert case["plain"] == case["alone"] == case["together"], (found["model"], mode)
+            assert case["resumed"] > 0 and all(len(ids) == 16 for ids in case["plain"])
+        assert sum(case["drafted"] for case in found["cases"].values()) > 0
+        group = found["health"]["group"]
+        assert (group["size"], group["backend"], group["status"]) == (2, "ring", "ok")
+        assert len(group["held_bytes"]) == 2
+    assert all(line["same_logits_on_every_rank"] for line in lines if "same_logits_on_every_rank" in line)
+
+
+class Group:
+    """`tensorfold serve` launched as a ring group of two local ranks; rank 0 says where it listens."""
+
+    def __init__(self, tmp: Path, *flags: str):
+        tmp.mkdir()
+        command = [sys.executable, "-m", "tensorfold_core", "serve", "tiny-llama", "--port", "0", *flags]
+        self.ranks = launch(command, tmp, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        for line in self.ranks[0].stderr:
+            self.log.append(line)
+            found = re.search(r"serving .* at (http://\S+)/v1", line)
+            if found:
+                self.url = found.group(1)
+                break
+        else:
+            raise AssertionError("rank 0 never said where it listens:\n" + "".join(self.log))
+        threading.Thread(target=lambda: self.log.extend(self.ranks[0].stderr), daemon=True).start()
+
+    def complete(self, prompt: str = "def add(a, b):\n") -> httpx.Response:
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+
+    def stop(self) -> None:
+        for rank in self.ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait(60)
+
+
+def test_a_killed_rank_brings_the_group_down_with_a_clear_error_and_a_restarted_group_serves_again(tmp_path):
+    first = Group(tmp_path / "first")
+    try:
+        health = httpx.get(first.url + "/health", timeout=60).json()
+        assert health["group"]["size"] == 2 and health["group"]["backend"] == "ring"
+        assert httpx.get(first.url + "/v1/capabilities", timeout=60).json()["group"]["status"] == "ok"
+        before = first.complete()
+        assert before.status_code == 200
+        first.ranks[1].send_signal(signal.SIGKILL)
+        first.ranks[1].wait(60)
+        failed = first.complete()
+        health = httpx.get(first.url + "/health", timeout=60)
+        refused = first.complete()
+    finally:
+        first.stop()
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "group_down"
+    assert "ring group of 2 is down" in failed.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["status"] == "error"
+    assert health.json()["group"]["status"] == "down" and "restart the group" in health.json()["error"]
+    assert refused.status_code == 503
+    again = Group(tmp_path / "again")
+    try:
+        after = again.complete()
+    finally:
+        again.stop()
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
