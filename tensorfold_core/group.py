@@ -199,6 +199,7 @@ class Replica:
 
     def __init__(self, model: Model):
         self.model = model
+        self.trail = model.reductions  # what shard() left: the forward's sums in order
         self.caches: dict[int, object] = {}
         self.states: dict[int, object] = {}
         self.held = 0  # bytes its caches (priced at capacity) and kept states hold; read by /health
@@ -213,6 +214,7 @@ class Replica:
         m = self.model
         if isinstance(command, Forward):
             caches = [self.caches[c] for c in command.caches]
+            self.trail.clear()  # a graph refused half-built leaves no sums to run
             return m.forward_ids(caches, mx.array(command.ids, dtype=mx.uint32), command.lengths, command.logit_rows,
                                  command.commit)
         if isinstance(command, Keep):
@@ -366,13 +368,20 @@ class GroupModel:
         with self._watchdog.armed(f"a forward of {sum(lengths)} rows"):
             try:
                 self._send()
-                mx.eval(logits)
+                self.replica.trail.evaluate(logits)
             except RuntimeError as exc:  # a rank's connection closed: the group cannot run another collective
-                self.failure = (f"the {self.backend} group of {self.group.size()} is down: {exc} (a rank failed "
-                                "during a forward); restart the group")
-                log.error(self.failure)
-                raise GroupError(self.failure) from exc
+                raise GroupError(self._down(exc, "during a forward")) from exc
         return logits
+
+    def sync(self) -> None:
+        """Between rounds: send what is queued (caches freed) and so hear at once of a rank that is gone."""
+        if self.failure:
+            return
+        with self._watchdog.armed("a sync between rounds"):
+            try:
+                self._send()
+            except RuntimeError as exc:
+                self._down(exc, "between rounds")
 
     def keep(self, cache: GroupCache, rows: int) -> None:
         self._do(Keep(cache.id, rows))
@@ -440,6 +449,12 @@ class GroupModel:
         commands, self._queue = self._queue, []
         self.channel.send(encode(commands))
 
+    def _down(self, exc: Exception, when: str) -> str:
+        self.failure = (f"the {self.backend} group of {self.group.size()} is down: {exc} (a rank failed {when}); "
+                        "restart the group")
+        log.error(self.failure)
+        return self.failure
+
     def _expired(self, what: str) -> None:
         self.failure = (f"the {self.backend} group of {self.group.size()} is down: {what} waited more than "
                         f"{self.timeout:g} s for a rank ({TIMEOUT_ENV}); restart the group")
@@ -465,7 +480,7 @@ def follow(model: Model, group: mx.distributed.Group, timeout: float | None = No
                 try:
                     out = replica.apply(command)
                     if isinstance(command, Forward):
-                        mx.eval(out)
+                        replica.trail.evaluate(out)
                 except RuntimeError as exc:
                     log.error("rank %d: the group is down (%s); leaving", rank, exc)
                     return EXIT_GROUP_DOWN

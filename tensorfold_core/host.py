@@ -176,6 +176,8 @@ class Host:
             self._drain_inbox()
             self._admit()
             if self.engine.idle():
+                if self.group is not None:  # frees the other ranks' caches, and finds a lost rank while idle
+                    self.group.sync()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue

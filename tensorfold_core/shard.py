@@ -45,18 +45,38 @@ def fixed_sum(partial: mx.array, group: mx.distributed.Group) -> mx.array:
     return total
 
 
+class Trail:
+    """The sums a forward's graph holds, in the order its layers run them: evaluated one collective at a time."""
+
+    def __init__(self):
+        self.pending: list[mx.array] = []
+
+    def clear(self) -> None:
+        self.pending = []
+
+    def evaluate(self, out: mx.array) -> None:
+        """Evaluate `out` one sum at a time: a rank lost mid-forward then fails the one collective waiting on it, where
+        a graph holding several collectives hangs on the ring backend (mlx 0.32.4)."""
+        pending, self.pending = self.pending, []
+        for total in pending:
+            mx.eval(total)
+        mx.eval(out)
+
+
 class Reduced(nn.Module):
     """A module whose output is a rank's partial sum, summed over the group; a split projection's bias added once."""
 
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group, bias: mx.array | None = None):
+    def __init__(self, inner: nn.Module, group: mx.distributed.Group, trail: Trail, bias: mx.array | None = None):
         super().__init__()
         self.inner = inner
         self.group = group
+        self.trail = trail
         if bias is not None:
             self.bias = bias
 
     def __call__(self, *args, **kwargs) -> mx.array:
         out = fixed_sum(self.inner(*args, **kwargs), self.group)
+        self.trail.pending.append(out)
         return out + self.bias if "bias" in self else out
 
 
@@ -120,7 +140,8 @@ def check_plan(plan: ShardPlan, size: int, source: str) -> None:
 
 
 def shard(model: Model, plan: ShardPlan, group: mx.distributed.Group, source: str = "the model") -> Model:
-    """Keep this rank's shard of every split in `plan`, reduce where it says, and size the caches per rank."""
+    """Keep this rank's shard of every split in `plan`, reduce where it says, size the caches per rank, and leave the
+    sums' `Trail` as `model.reductions`."""
     rank, size = group.rank(), group.size()
     check_plan(plan, size, source)
     if not isinstance(model, ShardedModel):
@@ -141,15 +162,16 @@ def shard(model: Model, plan: ShardPlan, group: mx.distributed.Group, source: st
     for path, attribute in plan.divide:
         module = _find(model, path)
         setattr(module, attribute, getattr(module, attribute) // size)
-    rows = set(plan.rows)
+    rows, trail = set(plan.rows), Trail()
     for path in plan.reduce:
         module, bias = _find(model, path), None
         if path in rows and "bias" in module:  # the bias joins after the sum, once, not once per rank
             bias = module.pop("bias")
         elif any(r.startswith(path + ".") and "bias" in _find(model, r) for r in rows):
             raise CheckpointError(f"{source}: {path} sums a split projection with a bias inside it")
-        _set(model, path, Reduced(module, group, bias))
+        _set(model, path, Reduced(module, group, trail, bias))
     model.shards = size
+    model.reductions = trail  # the group evaluates each forward through it
     mx.eval(model.parameters())
     return model
 

@@ -23,17 +23,18 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def ring_env(tmp: Path, size: int = 2) -> list[dict]:
+def ring_env(tmp: Path, size: int = 2, **extra: str) -> list[dict]:
     """Each rank's environment: the ring hostfile mlx.launch writes (one loopback address a rank) and MLX_RANK."""
     hostfile = tmp / "ring-hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(size)]))
     base = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
-    return [dict(base, HF_HUB_OFFLINE="1", MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank)) for rank in range(size)]
+    return [dict(base, HF_HUB_OFFLINE="1", MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank), **extra)
+            for rank in range(size)]
 
 
-def launch(command: list[str], tmp: Path, size: int = 2, **popen) -> list[subprocess.Popen]:
-    """The same command once per rank, as the launcher runs it."""
-    return [subprocess.Popen(command, env=env, **popen) for env in ring_env(tmp, size)]
+def launch(command: list[str], tmp: Path, size: int = 2, env: dict | None = None, **popen) -> list[subprocess.Popen]:
+    """The same command once per rank, as the launcher runs it (`env`: more variables for every rank)."""
+    return [subprocess.Popen(command, env=rank_env, **popen) for rank_env in ring_env(tmp, size, **(env or {}))]
 
 
 # -- the check each rank runs (python tests/group_helpers.py MODEL...): rank 0 prints one JSON line per model --

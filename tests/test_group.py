@@ -16,7 +16,7 @@ import pytest
 
 from group_helpers import HERE, launch
 from tensorfold_core.errors import CheckpointError
-from tensorfold_core.group import Forward, Free, Keep, NewCache, Stop, decode, encode, launched
+from tensorfold_core.group import EXIT_GROUP_DOWN, Forward, Free, Keep, NewCache, Stop, decode, encode, launched
 from tensorfold_core.loading import load_model
 from tensorfold_core.plugins import registry
 from tensorfold_core.shard import shard
@@ -88,10 +88,10 @@ def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_g
 class Group:
     """`tensorfold serve` launched as a ring group of two local ranks; rank 0 says where it listens."""
 
-    def __init__(self, tmp: Path, *flags: str):
+    def __init__(self, tmp: Path, env: dict | None = None):
         tmp.mkdir()
-        command = [sys.executable, "-m", "tensorfold_core", "serve", "tiny-llama", "--port", "0", *flags]
-        self.ranks = launch(command, tmp, stderr=subprocess.PIPE, text=True)
+        command = [sys.executable, "-m", "tensorfold_core", "serve", "tiny-llama", "--port", "0"]
+        self.ranks = launch(command, tmp, env=env, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         for line in self.ranks[0].stderr:
             self.log.append(line)
@@ -101,11 +101,15 @@ class Group:
                 break
         else:
             raise AssertionError("rank 0 never said where it listens:\n" + "".join(self.log))
-        threading.Thread(target=lambda: self.log.extend(self.ranks[0].stderr), daemon=True).start()
+        self._rest = threading.Thread(target=lambda: self.log.extend(self.ranks[0].stderr), daemon=True)
+        self._rest.start()
 
-    def complete(self, prompt: str = "def add(a, b):\n") -> httpx.Response:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    def complete(self, **body) -> httpx.Response:
+        body = {"model": "tiny-llama", "prompt": "def add(a, b):\n", "max_tokens": 12, "temperature": 0, **body}
         return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=60)
 
     def stop(self) -> None:
         for rank in self.ranks:
@@ -114,29 +118,52 @@ class Group:
             rank.wait(60)
 
 
-def test_a_killed_rank_brings_the_group_down_with_a_clear_error_and_a_restarted_group_serves_again(tmp_path):
-    first = Group(tmp_path / "first")
+def _killed_mid_reply(group: Group) -> list[dict]:
+    """A long streamed reply whose rank 1 is killed once its first tokens are in; the reply's events."""
+    body = {"model": "tiny-llama", "prompt": "def add(a, b):\n", "max_tokens": 400, "temperature": 0,
+            "draft": False, "stream": True}
+    events = []
+    with httpx.stream("POST", group.url + "/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 2:
+                    group.ranks[1].send_signal(signal.SIGKILL)
+    return events
+
+
+def test_a_rank_killed_mid_reply_ends_it_with_a_clear_error_and_health_says_the_group_is_down(tmp_path):
+    group = Group(tmp_path / "group")
     try:
-        health = httpx.get(first.url + "/health", timeout=60).json()
+        health = group.health().json()
         assert health["group"]["size"] == 2 and health["group"]["backend"] == "ring"
-        assert httpx.get(first.url + "/v1/capabilities", timeout=60).json()["group"]["status"] == "ok"
-        before = first.complete()
-        assert before.status_code == 200
-        first.ranks[1].send_signal(signal.SIGKILL)
-        first.ranks[1].wait(60)
-        failed = first.complete()
-        health = httpx.get(first.url + "/health", timeout=60)
-        refused = first.complete()
+        assert httpx.get(group.url + "/v1/capabilities", timeout=60).json()["group"]["status"] == "ok"
+        events = _killed_mid_reply(group)
+        health = group.health()
+        refused = group.complete()
     finally:
-        first.stop()
-    assert failed.status_code == 503 and failed.json()["error"]["code"] == "group_down"
-    assert "ring group of 2 is down" in failed.json()["error"]["message"]
+        group.stop()
+    assert events[-1]["error"]["code"] == "group_down" and "ring group of 2 is down" in events[-1]["error"]["message"]
     assert health.status_code == 503 and health.json()["status"] == "error"
     assert health.json()["group"]["status"] == "down" and "restart the group" in health.json()["error"]
-    assert refused.status_code == 503
-    again = Group(tmp_path / "again")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "group_down"
+
+
+def test_a_restarted_group_serves_again_and_a_rank_that_stops_answering_takes_rank_0_down(tmp_path):
+    first = Group(tmp_path / "first")
+    try:
+        before = first.complete()
+    finally:
+        first.stop()
+    again = Group(tmp_path / "again", env={"TENSORFOLD_GROUP_TIMEOUT": "5"})
     try:
         after = again.complete()
+        again.ranks[1].send_signal(signal.SIGSTOP)  # alive but silent: no socket closes, only the watchdog sees it
+        code = again.ranks[0].wait(120)  # idle rank 0 syncs with the group between rounds
+        again._rest.join(60)
     finally:
         again.stop()
-    assert after.status_code == 200 and after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert before.status_code == after.status_code == 200
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert code == EXIT_GROUP_DOWN
+    assert "waited more than 5 s for a rank (TENSORFOLD_GROUP_TIMEOUT); restart the group" in "".join(again.log)
