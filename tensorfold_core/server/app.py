@@ -12,6 +12,7 @@ from .. import __version__
 from ..options import ServeOptions
 from ..errors import RequestError
 from . import errors, openapi
+from .bodies import BodyRoute, reply_response
 from .dashboard import install as install_dashboard
 from .edge import Edge, redact_paths
 from .chat import ChatTurn
@@ -36,6 +37,7 @@ GONE = 499  # nginx's "client closed request": never read by anyone, but honest 
 def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI:
     """An app serving `host` under the OpenAI API, behind the edge `options` set (server/edge.py)."""
     app = FastAPI(title="tensorfold", version=__version__, docs_url=None, redoc_url=None)
+    app.router.route_class = BodyRoute  # every route after this line: a big body is parsed off the event loop
     app.state.host = host
     app.state.created = int(time.time())
     errors.install(app)
@@ -105,11 +107,15 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
             done, usage = await _collect(generation)
         except ClientGone:
             return Response(status_code=GONE)
-        choices = [ChatChoice(index=step.index, message=message, finish_reason=finish_reason,
-                              logprobs=logprobs(step.logprobs),
-                              token_ids=step.piece.token_ids if body.return_token_ids else None)
-                   for step in done for message, finish_reason in [turn.message(step)]]
-        return ChatCompletion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
+
+        def reply() -> ChatCompletion:
+            choices = [ChatChoice(index=step.index, message=message, finish_reason=finish_reason,
+                                  logprobs=logprobs(step.logprobs),
+                                  token_ids=step.piece.token_ids if body.return_token_ids else None)
+                       for step in done for message, finish_reason in [turn.message(step)]]
+            return ChatCompletion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
+
+        return await reply_response(reply, _tokens(done), body.logprob_count() is not None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -144,11 +150,15 @@ def create_app(host: ServedHost, options: ServeOptions | None = None) -> FastAPI
             done, usage = await _collect(generation)
         except ClientGone:
             return Response(status_code=GONE)
-        choices = [CompletionChoice(index=step.index, text=step.piece.text, finish_reason=step.finish_reason,
-                                    logprobs=logprobs(step),
-                                    token_ids=step.piece.token_ids if body.return_token_ids else None)
-                   for step in done]
-        return Completion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
+
+        def reply() -> Completion:
+            choices = [CompletionChoice(index=step.index, text=step.piece.text, finish_reason=step.finish_reason,
+                                        logprobs=logprobs(step),
+                                        token_ids=step.piece.token_ids if body.return_token_ids else None)
+                       for step in done]
+            return Completion(id=rid, created=created, model=host.model_id, choices=choices, usage=Usage(**usage))
+
+        return await reply_response(reply, _tokens(done), body.logprobs is not None)
 
     return app
 
@@ -176,6 +186,10 @@ def _start(host: ServedHost, grammars: Grammars, metrics: Metrics, body: Generat
     generation = generations[0] if len(generations) == 1 else Choices(generations, shown=body.n)
     generation.start("prompt" if isinstance(body, CompletionRequest) else "messages")
     return generation
+
+
+def _tokens(done: list[Step]) -> int:
+    return sum(len(step.piece.token_ids) for step in done)
 
 
 async def _collect(generation: Generation | Choices) -> tuple[list[Step], dict]:

@@ -19,7 +19,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..options import ServeOptions
 from .errors import REQUEST_ID, RETRY_AFTER_S, describe, error_response
 from .shutdown import Drain
-from .strict import MAY_HOLD_SURROGATES, SURROGATE_BYTES
 
 log = logging.getLogger("tensorfold.server")
 
@@ -132,7 +131,6 @@ class EdgeMiddleware:
             if not isinstance(body, bytes):
                 await body(scope, receive, send_with_id)
                 return
-            MAY_HOLD_SURROGATES.set(bool(SURROGATE_BYTES.search(body)))  # one regex pass in C, not a walk
             receive = _replay(body, receive)
         try:
             await self.app(scope, receive, send_with_id)

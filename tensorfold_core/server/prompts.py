@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import anyio
 import jinja2
 from anyio import to_thread
@@ -11,25 +13,31 @@ from .served import ServedHost
 
 # its own threads: a queue of long prompts must not hold the threads the plain routes (/health, /v1/models) run on
 _TOKENIZING = anyio.CapacityLimiter(2)
+T = TypeVar("T")
+
+
+async def tokenizing(work: Callable[..., T], *args) -> T:
+    """`work(*args)` on the tokenizing threads."""
+    return await to_thread.run_sync(work, *args, limiter=_TOKENIZING)
 
 
 async def chat_prompt_ids(host: ServedHost, messages: list[dict], **template) -> list[int]:
     """The messages through the chat template (`template`: its extra variables, e.g. tools, enable_thinking),
     then tokenized; errors name `messages`."""
-    return await to_thread.run_sync(_chat_ids, host, messages, template, limiter=_TOKENIZING)
+    return await tokenizing(_chat_ids, host, messages, template)
 
 
 async def chat_prompt_opening(host: ServedHost, messages: list[dict], **template) -> tuple[list[int], str]:
     """chat_prompt_ids, and the text the generation prompt adds after the conversation (where a thinking
     template may open the reply's reasoning)."""
-    return await to_thread.run_sync(_chat_opening, host, messages, template, limiter=_TOKENIZING)
+    return await tokenizing(_chat_opening, host, messages, template)
 
 
 async def text_prompt_ids(host: ServedHost, prompt: str | list[int]) -> list[int]:
     """A completion's prompt: text tokenized, ids as given (the host checks them); errors name `prompt`."""
     if not isinstance(prompt, str):
         return list(prompt)
-    return await to_thread.run_sync(_text_ids, host, prompt, limiter=_TOKENIZING)
+    return await tokenizing(_text_ids, host, prompt)
 
 
 def _chat_ids(host: ServedHost, messages: list[dict], template: dict) -> list[int]:

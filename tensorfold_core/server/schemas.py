@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from ..errors import RequestError
-from .strict import RequestBody
+from .strict import Keyed, Many, RequestBody
 
 MAX_CHOICES = 16  # n and best_of: each choice is a stream of its own, queued past --parallel
 
@@ -37,8 +37,8 @@ class ChatMessage(RequestBody):
     model_config = ConfigDict(extra="allow")  # name, reasoning_content, ... reach the chat template as given
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    content: str | Many[dict[str, Any]] | None = None
+    tool_calls: Many[ToolCallIn] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def for_template(self, index: int) -> dict:
@@ -86,18 +86,18 @@ class GenerationFields(RequestBody):
     top_k: int = Field(0, ge=-1)  # 0 or -1: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Many[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     draft: bool = True
     return_token_ids: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's extra: > 1 discourages prompt and reply tokens
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Keyed[float] | None = None
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extras: at most one constraint a request
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_choice: Many[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, and used for nothing
 
@@ -148,15 +148,15 @@ class NamedToolChoice(RequestBody):
 
 
 class ChatCompletionRequest(GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Many[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[ToolSpec] | None = None
+    tools: Many[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # server/tools.py
     parallel_tool_calls: bool | None = None  # default true: `required` may make several calls
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: variables for the chat template
-    modalities: list[Literal["text"]] | None = None  # text is what is served; "audio" is refused by the type
+    modalities: Many[Literal["text"]] | None = None  # text is what is served; "audio" is refused by the type
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -175,12 +175,12 @@ class ChatCompletionRequest(GenerationFields):
 
 
 Text = Annotated[str, Field(min_length=1)]
-Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Ids = Annotated[Many[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(GenerationFields):
     # an empty prompt ("", [] or [[]]) is refused by its type: there is nothing to continue
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Ids | Annotated[list[Ids], Field(min_length=1)]
+    prompt: Text | Annotated[Many[Text], Field(min_length=1)] | Ids | Annotated[Many[Ids], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

@@ -5,16 +5,29 @@ from __future__ import annotations
 import json
 import re
 from contextvars import ContextVar
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import RequestError
 
-# a lone surrogate reaches Python only as a JSON escape (\ud800) or as its raw UTF-8 bytes, which json.loads lets pass
-SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-# False once the edge has seen the raw body hold neither (server/edge.py): the walk below is then skipped
+# a lone surrogate reaches Python only as a JSON escape (\ud800) or as its raw UTF-8 bytes, which json.loads lets pass;
+# two patterns, each led by a literal that re finds at memchr speed (one alternation tried every byte: ~8x slower)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SURROGATE_RAW = re.compile(rb"\xed[\xa0-\xbf]")
+# False once the raw body was seen to hold neither (server/bodies.py): the walk below is then skipped
 MAY_HOLD_SURROGATES: ContextVar[bool | None] = ContextVar("tensorfold_may_hold_surrogates", default=None)
+
+T = TypeVar("T")
+# a list or map stops at its first bad entry: 200,000 bad ids would be 200,000 errors, seconds of CPU to build and
+# read, and a union tries each of its list forms in turn
+Many = Annotated[list[T], Field(fail_fast=True)]
+Keyed = Annotated[dict[str, T], Field(fail_fast=True)]
+
+
+def may_hold_surrogates(body: bytes) -> bool:
+    """Whether a raw JSON body holds a surrogate, escaped or as UTF-8 bytes (then the strings are walked)."""
+    return bool(SURROGATE_ESCAPE.search(body) or SURROGATE_RAW.search(body))
 
 
 class RequestBody(BaseModel):
