@@ -141,18 +141,18 @@ def random_prompts(count: int, length: int, vocab: int = 8192, seed: int = 0) ->
 
 
 def complete(client, prompt_ids: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int | None = None,
-             draft: bool = True, stream: bool = True) -> dict:
+             draft: bool = True, stream: bool = True, model: str = MODEL) -> dict:
     """One completion; its token ids, finish reason, draft stats, and times (seconds since the request)."""
     body = {"draft": draft, "return_token_ids": True}
     start = time.perf_counter()
     if not stream:
-        reply = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=max_tokens,
+        reply = client.completions.create(model=model, prompt=prompt_ids, max_tokens=max_tokens,
                                           temperature=temperature, seed=seed, extra_body=body)
         wall = time.perf_counter() - start
         choice = reply.choices[0]
         return {"ids": list(getattr(choice, "token_ids", None) or []), "finish": choice.finish_reason,
                 "stats": _tensorfold(reply.usage), "first": None, "last": wall, "wall": wall}
-    chunks = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=max_tokens, temperature=temperature,
+    chunks = client.completions.create(model=model, prompt=prompt_ids, max_tokens=max_tokens, temperature=temperature,
                                        seed=seed, stream=True, stream_options={"include_usage": True},
                                        extra_body=body)
     ids, first, last, finish, stats = [], None, None, None, {}

@@ -1,0 +1,118 @@
+"""tiny-lfm2-moe drafted by tiny-lfm2-moe-dspark against its own plain decode on code prompts, ids checked first."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import openai
+
+from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, complete, exit_code, fail_if_any, median,
+                    platform_lines, server, spread, table, tokenize)
+
+TARGET = "tiny-lfm2-moe"
+DRAFTER = "tiny-lfm2-moe-dspark"
+WARM_UP = "x = 1\n"  # a prompt no timed request uses, so its kept state helps none of them
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One way of decoding: the server's flags and the requests' `draft` field."""
+
+    name: str
+    what: str
+    flags: tuple[str, ...]
+    draft: bool
+
+
+CELLS = [
+    Cell("plain", "`--drafter none`, requests `\"draft\": false` (the reference)", ("--drafter", "none"), False),
+    Cell("copy", "`--drafter none`, requests drafted (copy drafts only)", ("--drafter", "none"), True),
+    Cell("dspark", f"`--drafter {DRAFTER}`, requests drafted (DSpark and copy drafts)", ("--drafter", DRAFTER), True),
+]
+BASELINE = "plain"
+
+
+def sampling(args, i: int) -> dict:
+    return {"temperature": 0.0, "seed": None} if args.sampling == "greedy" else {"temperature": 0.8, "seed": 100 + i}
+
+
+def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
+    """A fresh server; every prompt once, `streams` at a time; the replies and the decode rate."""
+    flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags]
+    with server(TARGET, *flags, env=blas_env(args.blas)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
+        send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=TARGET, **sampling(args, i))
+        complete(client, tokenize([WARM_UP], TARGET)[0], 8, draft=cell.draft, model=TARGET)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            replies = list(pool.map(send, range(len(prompts))))
+        wall = time.perf_counter() - start
+    tokens = sum(len(r["ids"]) for r in replies)
+    return {"replies": replies, "rate": tokens / wall}
+
+
+def columns(runs: list[dict]) -> tuple[str, str]:
+    """Tokens committed per stream round, and drafts kept / offered, over every reply of the cell."""
+    replies = [r for run in runs for r in run["replies"]]
+    tokens = sum(len(r["ids"]) for r in replies)
+    rounds = sum(r["stats"].get("rounds", 0) for r in replies)
+    offered, kept = (sum(r["stats"].get(k, 0) for r in replies) for k in ("drafted", "accepted"))
+    return (f"{tokens / rounds:.2f}" if rounds else "-"), (f"{kept}/{offered} ({kept / offered:.0%})" if offered else "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each reply")
+    parser.add_argument("--reps", type=int, default=3, help="rounds over every cell, in a rotated order")
+    parser.add_argument("--prompts", type=int, default=len(CODE_PROMPTS), help="how many of the code prompts")
+    parser.add_argument("--streams", default="1", help="comma list of concurrent stream counts")
+    parser.add_argument("--sampling", default="greedy", choices=["greedy", "seeded"],
+                        help="greedy, or temperature 0.8 with a seed per prompt")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--blas", default="openblas-nehalem", help="bundled, openblas, openblas-CORE")
+    args = parser.parse_args(argv)
+    prompts = tokenize(CODE_PROMPTS[:args.prompts], TARGET)
+    levels = [int(s) for s in args.streams.split(",")]
+    print("\n".join(platform_lines(args.blas)))
+    print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} code prompts, {args.tokens} tokens each, {args.sampling}; "
+          f"{args.reps} reps; a fresh server per cell, cells in a rotated order")
+    runs = {(c.name, n): [] for c in CELLS for n in levels}
+    for rep in range(args.reps):
+        for n in levels:
+            shift = rep % len(CELLS)
+            for c in CELLS[shift:] + CELLS[:shift]:
+                started = time.perf_counter()
+                runs[c.name, n].append(run_cell(c, n, prompts, args))
+                print(f"rep {rep + 1} {c.name} x{n}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    reference = [r["ids"] for r in runs[BASELINE, levels[0]][0]["replies"]]
+    rows, failures = [], []
+    for n in levels:
+        base = [r["rate"] for r in runs[BASELINE, n]]
+        for c in CELLS:
+            try:  # every rep's every reply against the first plain run's, before any speed is quoted
+                for rep, run in enumerate(runs[c.name, n]):
+                    for i, reply in enumerate(run["replies"]):
+                        check_same_ids(f"{c.name} x{n}, rep {rep + 1}, prompt {i}", reference[i], reply["ids"])
+            except BenchMismatch as failure:
+                failures.append(failure)
+                rows.append([c.name, n, f"FAIL: {failure}", "-", "-", "-", "-", "-"])
+                continue
+            rates = [r["rate"] for r in runs[c.name, n]]
+            ratios = [a / b for a, b in zip(rates, base) if b]
+            per_round, kept = columns(runs[c.name, n])
+            rows.append([c.name, n, "equal", f"{median(rates):.1f}", spread(rates), f"{median(ratios):.2f}x",
+                         per_round, kept])
+    print()
+    print(table(["cell", "streams", "token ids", "tok/s (median)", "range", f"vs {BASELINE}", "tokens/round",
+                 "drafts kept"], rows))
+    print("\n".join(f"- {c.name}: {c.what}" for c in CELLS))
+    fail_if_any(failures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_code(main))
