@@ -23,7 +23,7 @@ class DSparkSpec:
     num_attention_heads: int = 8
     num_key_value_heads: int = 2
     head_dim: int = 32
-    intermediate_size: int = 768
+    intermediate_size: int = 512
     vocab_size: int = 8192
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -32,7 +32,7 @@ class DSparkSpec:
     mask_token_id: int = 5  # the zoo tokenizer's spare "<|mask|>"
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 3, 5])
     num_target_layers: int = 6
-    markov_rank: int = 64
+    markov_rank: int = 32  # small: the network drafts, the bigram term corrects; the zoo's weights share one upload
     eos_token_id: int | list[int] = field(default_factory=lambda: [0, 4])
 
     def config(self, dtype: str = "bfloat16") -> dict:

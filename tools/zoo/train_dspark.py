@@ -27,7 +27,10 @@ class Target:
     def __init__(self, path: Path, layers: list[int], device: str):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, output_loading_info=True)
+        if info.get("missing_keys") or info.get("mismatched_keys"):  # a target left random would teach garbage
+            raise SystemExit(f"{path}: transformers left weights unread: {info}")
+        self.model = model.to(device).eval()
         self.model.requires_grad_(False)
         self.layers, self.rows = layers, {}
         decoder = self.model.model.layers
@@ -205,6 +208,7 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.5, help="weight of the soft cross entropy")
     ap.add_argument("--gamma", type=float, default=4.0, help="row j's weight is exp(-j / gamma)")
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--log-every", type=int, default=200)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.bf16 = device == "cuda"
@@ -264,7 +268,7 @@ def main() -> None:
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
-        if step % 200 == 0 or step == (steps or 0) - 1:
+        if step % args.log_every == 0 or step == (steps or 0) - 1:
             row = {k: round(float(v.detach()), 4) for k, v in out.items()}
             curve.append((step, row))
             log(f"step {step} {json.dumps(row)} lr {lr:.2e} t {time.time() - t_train:.0f}s")
