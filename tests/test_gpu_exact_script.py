@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "devic
 import gpu_exact  # noqa: E402
 from exact_cases import VICTIM_ID, Check, Served  # noqa: E402
 
-SMALL = ["--families", "llama,lfm2", "--tokens", "6", "--prompts", "2", "--streams", "4"]
+SMALL = ["--families", "llama,lfm2", "--tokens", "6", "--prompts", "2", "--streams", "4", "--builtin-seconds", "0"]
 
 
 def test_the_gpu_exactness_script_finds_every_case_exact_on_the_cpu_in_both_kernel_modes(tmp_path):
@@ -28,7 +28,7 @@ def test_the_gpu_exactness_script_finds_every_case_exact_on_the_cpu_in_both_kern
     for r in reports:
         # greedy and seeded per prompt: drafted alone, plain and drafted at 4 streams, two resumed runs of two passes
         assert r["cases"] == r["expected cases"] == 2 * 2 * (1 + 2 + 4) == gpu_exact.expected_cases(2, [4], True)
-        assert r["mismatches"] == [] and r["probe"]["row_invariant"]
+        assert r["mismatches"] == [] and r["cut"] == 0 and r["probe"]["row_invariant"]
         runs = r["runs"]
         assert runs["drafted 4 together"]["accepted"] > 0  # drafts were offered and some landed
         assert runs["plain 4 together"]["cancelled"] == runs["plain 4 together"]["neighbours"] == 1
@@ -45,7 +45,7 @@ def test_a_reply_that_differs_is_a_mismatch_naming_the_case_and_its_first_differ
     assert check.mismatches == ["drafted 4 together prompt 0 greedy: first difference at token 2 of 4 "
                                 "(reference 7, got 2)"]
     assert check.runs["drafted 4 together"] == {"cases": 2, "mismatches": 1, "drafted": 0, "accepted": 0,
-                                               "cached_tokens": 0, "cancelled": 1, "neighbours": 1}
+                                               "cached_tokens": 0, "cancelled": 1, "neighbours": 1, "cut": 0}
 
 
 def test_a_records_mismatch_fails_the_run_and_a_builtin_one_is_only_reported():

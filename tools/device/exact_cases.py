@@ -126,6 +126,7 @@ class Served:
     finish: str | None = None
     usage: dict = field(default_factory=dict)
     error: str | None = None
+    cut: bool = False  # not run to its end: the child's time ran out (a case that is not compared)
 
     def on_event(self, event) -> None:
         from tensorfold_core.lanes.types import DoneEvent, ErrorEvent, TokenEvent
@@ -142,13 +143,14 @@ class Server:
     """One engine over the model (shared rounds forced on, so a backend that is not row-invariant shows its
     mismatches) with the host's admission and ledger; a prompt cache when `resume`."""
 
-    def __init__(self, model, *, drafter=None, chunk: int = CHUNK, resume: bool = False):
+    def __init__(self, model, *, drafter=None, chunk: int = CHUNK, resume: bool = False,
+                 deadline: float = float("inf")):
         from tensorfold_core.lanes.engine import Engine
         from tensorfold_core.memory.admission import Admission
         from tensorfold_core.memory.ledger import Ledger
         from tensorfold_core.memory.prompt_cache import PromptCache
 
-        self.model = model
+        self.model, self.deadline = model, deadline  # past the deadline (perf_counter), streams are cut
         ledger = Ledger(BUDGET)
         self.admission = Admission(model, ledger, PromptCache(ledger, PROMPT_CACHE) if resume else None, drafter,
                                    resume=resume, marks=chunk)
@@ -162,6 +164,11 @@ class Server:
         out = {job.sid: Served() for job in jobs}
         waiting, joined, rounds = list(jobs), {}, 0
         while waiting or not self.engine.idle():
+            if time.perf_counter() > self.deadline:  # the rest is not run: cut what is left, compare what ended
+                for sid in [job.sid for job in waiting] + list(self.engine.streams):
+                    out[sid].cut = True
+                    self.engine.cancel(sid)
+                waiting = []
             if waiting and len(self.engine.streams) < parallel:
                 job = waiting.pop(0)
                 prompt = job.request.prompt_ids
@@ -231,7 +238,8 @@ class Check:
 
     def compare(self, run: str, served: dict[int, Served], offset: int = 0) -> None:
         entry = self.runs.setdefault(run, {"cases": 0, "mismatches": 0, "drafted": 0, "accepted": 0,
-                                           "cached_tokens": 0, "cancelled": 0, "neighbours": 0})
+                                           "cached_tokens": 0, "cancelled": 0, "neighbours": 0,
+                                           "cut": 0})
         for sid, s in served.items():
             stats = s.usage.get("tensorfold", {})
             entry["drafted"] += stats.get("drafted", 0)
@@ -241,6 +249,9 @@ class Check:
                 entry["cancelled"] += s.finish == "cancelled"
                 continue
             case = sid - offset
+            if s.cut:
+                entry["cut"] += 1
+                continue
             entry["cases"] += 1
             entry["cached_tokens"] += s.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
             want = self.reference[case]
@@ -286,17 +297,21 @@ def family_drafter(spec: FamilySpec, target_dir: Path, target, requests: list, r
 class Cases:
     """The runs under test, each on a fresh engine (a resumed run's two passes share one), checked as they end."""
 
-    def __init__(self, model, tokenizer, drafter, check: Check, tokens: int):
+    def __init__(self, model, tokenizer, drafter, check: Check, tokens: int, deadline: float):
         self.model, self.tokenizer, self.drafter, self.check, self.tokens = model, tokenizer, drafter, check, tokens
+        self.deadline = deadline
         self.servers: list[Server] = []
         self.speeds: dict[str, float] = {}
 
     def server(self, drafted: bool, resume: bool = False) -> Server:
-        self.servers.append(Server(self.model, drafter=self.drafter if drafted else None, resume=resume))
+        self.servers.append(Server(self.model, drafter=self.drafter if drafted else None, resume=resume,
+                                   deadline=self.deadline))
         return self.servers[-1]
 
     def alone(self, run: str, requests: list) -> None:
-        self.check.compare(run, self.server(requests[0].draft).serve([Job(k, r) for k, r in enumerate(requests)], 1))
+        start = time.perf_counter()
+        served = self.server(requests[0].draft).serve([Job(k, r) for k, r in enumerate(requests)], 1)
+        self.done(run, served, 0, start)
 
     def together(self, run: str, requests: list, parallel: int, server: Server | None = None, offset: int = 0):
         drafted = requests[0].draft
@@ -305,7 +320,14 @@ class Cases:
         start = time.perf_counter()
         served = server.serve(jobs, parallel)
         self.speeds[f"{run} tok/s"] = tok_per_s(served, time.perf_counter() - start)
+        self.done(run, served, offset, start)
+
+    def done(self, run: str, served: dict[int, Served], offset: int, start: float) -> None:
+        """Check the run, and say on stderr how it went (a child cut by its timeout shows how far it got)."""
         self.check.compare(run, served, offset)
+        entry = self.check.runs[run]
+        print(f"{run}: {entry['cases']} cases, {entry['mismatches']} mismatches, {entry['cut']} cut, "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     def resumed(self, run: str, requests: list, parallel: int) -> None:
         """Two passes through one prompt cache: the first resumes earlier prompts' prefixes, the second each
@@ -315,8 +337,9 @@ class Cases:
             self.together(f"{run}, pass {n + 1}", requests, parallel, server, offset)
 
 
-def run_family(name: str, tokens: int, prompts: int, streams: list[int]) -> dict:
-    """Every case of one family under this process's kernel table mode; the report as a dict."""
+def run_family(name: str, tokens: int, prompts: int, streams: list[int], seconds: float = 0) -> dict:
+    """Every case of one family under this process's kernel table mode; the report as a dict. `seconds` > 0: the
+    cases still running that long after the start are cut (not compared, counted as cut)."""
     import mlx.core as mx
 
     from tensorfold_core.loading import load_target, resolve_model
@@ -328,6 +351,8 @@ def run_family(name: str, tokens: int, prompts: int, streams: list[int]) -> dict
         if spec.bits:
             target_dir = quantized_copy(target_dir, Path(tmp) / f"{spec.target}-{spec.bits}bit", spec.bits)
         target = load_target(str(target_dir), ServeOptions(dtype="bfloat16"))
+        print(f"loaded and probed in {time.perf_counter() - started:.1f} s: {target.probe}", file=sys.stderr,
+              flush=True)
         model, tokenizer = target.model, target.tokenizer
         report = {"family": name, "target": spec.target + (f", quantized here to {spec.bits} bits" if spec.bits
                                                           else ""),
@@ -339,6 +364,7 @@ def run_family(name: str, tokens: int, prompts: int, streams: list[int]) -> dict
         start = time.perf_counter()
         solo = reference.serve([Job(k, r) for k, r in enumerate(serial)], 1)
         report["plain tok/s (alone, prefill included)"] = tok_per_s(solo, time.perf_counter() - start)
+        print(f"solo reference: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         failed = [f"{label(k)}: {s.error}" for k, s in solo.items() if s.error is not None]
         if failed:
             raise RuntimeError(f"the serial solo reference failed: {'; '.join(failed)}")
@@ -346,7 +372,7 @@ def run_family(name: str, tokens: int, prompts: int, streams: list[int]) -> dict
 
         drafter, report["drafter"] = family_drafter(spec, target_dir, target, serial, check.reference, Path(tmp))
         drafted = make_requests(tokenizer, prompts, tokens, draft=True)
-        cases = Cases(model, tokenizer, drafter, check, tokens)
+        cases = Cases(model, tokenizer, drafter, check, tokens, started + seconds if seconds else float("inf"))
         if drafter is not None:
             cases.alone("drafted alone", drafted)
         for parallel in streams:
@@ -358,6 +384,7 @@ def run_family(name: str, tokens: int, prompts: int, streams: list[int]) -> dict
             cases.resumed(f"resumed drafted {streams[0]} together", drafted, streams[0])
             drafter.close()
     report.update(cases=sum(r["cases"] for r in check.runs.values()), mismatches=check.mismatches,
-                  runs=check.runs, speeds=cases.speeds, rounds=sum(s.engine.rounds for s in [reference, *cases.servers]),
+                  cut=sum(r["cut"] for r in check.runs.values()), runs=check.runs, speeds=cases.speeds,
+                  rounds=sum(s.engine.rounds for s in [reference, *cases.servers]),
                   seconds=round(time.perf_counter() - started, 1))
     return report
