@@ -40,6 +40,7 @@ class Launch:
     backend: str
     rank: int
     size: int
+    local: int = 1  # ranks on this rank's machine (the ring hostfile's addresses say), sharing its memory
 
 
 def launched(env: dict | None = None) -> Launch | None:
@@ -49,16 +50,15 @@ def launched(env: dict | None = None) -> Launch | None:
     if backend is None:
         return None
     rank = int(env.get("MLX_RANK", 0))
-    if backend == "ring":
-        try:
-            with open(env["MLX_HOSTFILE"]) as f:
-                text = f.read().strip()
-            size = len(json.loads(text)) if text else 1
-        except (OSError, ValueError):
-            size = 0  # unreadable: init says why
-    else:
-        size = int(env.get("MLX_WORLD_SIZE", 0))
-    return Launch(backend, rank, size)
+    if backend != "ring":
+        return Launch(backend, rank, int(env.get("MLX_WORLD_SIZE", 0)))
+    try:
+        with open(env["MLX_HOSTFILE"]) as f:
+            text = f.read().strip()
+        hosts = [node[0].rpartition(":")[0] for node in json.loads(text)] if text else [""]
+    except (OSError, ValueError, IndexError, TypeError):
+        return Launch(backend, rank, 0)  # unreadable: init says why
+    return Launch(backend, rank, len(hosts), hosts.count(hosts[rank]) if rank < len(hosts) else 1)
 
 
 def timeout_s(env: dict | None = None) -> float:
@@ -79,6 +79,7 @@ class Joined:
 
     group: mx.distributed.Group
     backend: str
+    local: int = 1  # ranks on this machine
 
     @property
     def rank(self) -> int:
@@ -94,7 +95,7 @@ def join() -> Joined | None:
         group = mx.distributed.init(strict=True, backend=launch.backend)
     except RuntimeError as exc:
         raise GroupError(f"rank {launch.rank} could not join its {launch.backend} group: {exc}") from exc
-    return Joined(group, launch.backend) if group.size() > 1 else None
+    return Joined(group, launch.backend, max(1, launch.local)) if group.size() > 1 else None
 
 
 # -- what rank 0 tells the others: every call that changes a cache or a kept state, in order --

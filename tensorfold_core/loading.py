@@ -230,7 +230,12 @@ def load_host(model: str | None, options: ServeOptions, progress: Progress = lam
     clock, so tests see the same drafts however busy the machine is); in a group, rank 0's host."""
     from .capabilities import capabilities
     from .host import Host
+    from .memory.ledger import GIB, default_budget
 
+    if joined is not None and joined.local > 1 and not options.memory_gib:
+        # ranks on one machine share its memory; rank 0 holds what any rank holds (and its drafter), so its
+        # ledger at the machine's share keeps every rank within its own
+        options = options.model_copy(update={"memory_gib": default_budget() / joined.local / GIB})
     target = load_target(model, options, progress, joined=joined)
     drafter, draft_name = None, drafter_name(target.name, options.drafter)
     if not target.row_invariant:

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from group_helpers import HERE, launch
+from group_helpers import HERE, launch, ring_env
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.group import EXIT_GROUP_DOWN, Forward, Free, Keep, NewCache, Stop, decode, encode, launched
 from tensorfold_core.loading import load_model
+from tensorfold_core.memory.ledger import default_budget
 from tensorfold_core.plugins import registry
 from tensorfold_core.shard import shard
 
@@ -61,7 +62,16 @@ def test_the_launchers_environment_names_the_group_before_any_rank_joins(tmp_pat
     hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
     assert launched({}) is None
     found = launched({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "1"})
-    assert (found.backend, found.rank, found.size) == ("ring", 1, 2)
+    assert (found.backend, found.rank, found.size, found.local) == ("ring", 1, 2, 2)
+
+
+def test_capabilities_json_shows_the_group_the_launcher_set_up(tmp_path):
+    alone = subprocess.run([sys.executable, "-m", "tensorfold_core", "capabilities", "--json"], capture_output=True,
+                           text=True, check=True, timeout=300, env=ring_env(tmp_path)[0] | {"MLX_HOSTFILE": ""})
+    launched_rank = subprocess.run([sys.executable, "-m", "tensorfold_core", "capabilities", "--json"],
+                                   capture_output=True, text=True, check=True, timeout=300, env=ring_env(tmp_path)[1])
+    assert json.loads(alone.stdout)["group"] == {"size": 1, "backend": None}
+    assert json.loads(launched_rank.stdout)["group"] == {"size": 2, "backend": "ring", "rank": 1}
 
 
 def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_greedy_and_seeded(tmp_path):
@@ -137,6 +147,7 @@ def test_a_rank_killed_mid_reply_ends_it_with_a_clear_error_and_health_says_the_
     try:
         health = group.health().json()
         assert health["group"]["size"] == 2 and health["group"]["backend"] == "ring"
+        assert health["memory"]["budget_bytes"] == pytest.approx(default_budget() / 2, abs=2)  # two ranks, one machine
         assert httpx.get(group.url + "/v1/capabilities", timeout=60).json()["group"]["status"] == "ok"
         events = _killed_mid_reply(group)
         health = group.health()
