@@ -196,6 +196,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: sized from --budget-s)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="training wall time the step count is sized to")
     ap.add_argument("--wall-s", type=float, default=540.0, help="the whole run's wall time, generation included")
+    ap.add_argument("--slack", type=float, default=1.0, help="steps sized to budget / (measured step time * slack)")
     ap.add_argument("--batch", type=int, default=64, help="sequences a step (half corpus, half generated)")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--anchors", type=int, default=24, help="blocks a sequence")
@@ -211,6 +212,8 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=200)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))  # the CPU run shares two cores: more threads only thrash
     args.bf16 = device == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
@@ -231,9 +234,10 @@ def main() -> None:
             for s in ("train", "heldout")}
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    heldout = generated(target, data["heldout"], args.eval_seqs, args.length, args.gen_batch, gen)
+    heldout = generated(target, data["heldout"], args.eval_seqs, args.length, args.gen_batch, gen) \
+        if args.eval_seqs else None  # on a CPU the served drafter is measured afterwards instead (eval_dspark.py)
     greedy = generated(target, data["train"], args.gen_seqs, args.length, args.gen_batch, gen, args.gen_s)
-    log(f"generated {greedy.shape[0]} + {heldout.shape[0]} held-out greedy sequences of {args.length} "
+    log(f"generated {greedy.shape[0]} + {args.eval_seqs} held-out greedy sequences of {args.length} "
         f"in {time.time() - t0:.0f}s")
 
     drafter = DSparkDrafter(spec).to(device)
@@ -251,7 +255,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             per = (time.time() - t_calib) / 20
             budget = min(args.budget_s, args.wall_s - (time.time() - t0) - 45)  # 45 s kept for the eval and save
-            steps = max(step + 1, int(budget / per))
+            steps = max(step + 1, int(budget / (per * args.slack)))
             log(f"{per * 1e3:.1f} ms/step -> {steps} steps")
         if step == 5:
             if device == "cuda":
@@ -275,6 +279,9 @@ def main() -> None:
         if step and step % 2000 == 0:
             write_checkpoint(drafter, args.out / NAME, args.target)
         step += 1
+        if time.time() - t0 > args.wall_s - 45:  # a busy machine ran slower than measured: stop, keep the time to save
+            log(f"stopped at step {step} of {steps}: past the wall time")
+            break
     train_s = time.time() - t_train
     drafter.eval()
     metrics = {"name": NAME, "spec": spec.config(), "steps": step, "batch": args.batch, "length": args.length,
@@ -282,7 +289,8 @@ def main() -> None:
                "where": torch.cuda.get_device_name() if device == "cuda" else "this CPU", "lr": args.lr, "alpha": args.alpha,
                "gamma": args.gamma, "seed": args.seed, "train_s": round(train_s, 1), "loss_curve": curve,
                "params": sum(p.numel() for p in drafter.parameters()),
-               "heldout": accepted_per_block(drafter, target, heldout, args, torch.Generator().manual_seed(0))}
+               "heldout": accepted_per_block(drafter, target, heldout, args, torch.Generator().manual_seed(0))
+               if heldout is not None else None}
     log(json.dumps({k: v for k, v in metrics.items() if k not in ("loss_curve", "spec")}))
     write_checkpoint(drafter, args.out / NAME, args.target)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
