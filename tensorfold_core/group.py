@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .errors import GroupError
 from .families import packed_ids
@@ -150,11 +151,25 @@ class Free:
 
 
 @dataclass(frozen=True)
+class Hello:
+    """Rank 0's shard, described: a rank whose own differs (another checkpoint, dtype or group) refuses to follow."""
+
+    shard: str
+
+
+@dataclass(frozen=True)
 class Stop:
     """Rank 0 is closing: the others leave their loop."""
 
 
-COMMANDS = {kind.__name__: kind for kind in (NewCache, Restore, Forward, Keep, Mark, Snapshot, Free, Stop)}
+COMMANDS = {kind.__name__: kind for kind in (Hello, NewCache, Restore, Forward, Keep, Mark, Snapshot, Free, Stop)}
+
+
+def describe_shard(model: Model) -> str:
+    """What every rank's shard must agree on: family, dtype, vocabulary, group size and parameter count per rank."""
+    count = sum(a.size for _, a in tree_flatten(model.parameters()))
+    return (f"{model.model_type} {model.dtype} vocab {model.vocab_size} shards {model.shards} "
+            f"{count} parameters a rank")
 
 
 def encode(commands: Sequence) -> bytes:
@@ -232,6 +247,12 @@ class Replica:
             state = self.states[command.state] = m.snapshot(self.caches[command.cache])
             self.held += m.state_bytes(state)
             return state
+        if isinstance(command, Hello):
+            mine = describe_shard(m)
+            if command.shard != mine:
+                raise ValueError(f"rank 0 serves {command.shard}; this rank loaded {mine}: launch every rank "
+                                 "with the same model and flags")
+            return None
         if isinstance(command, Free):
             for key in command.caches:
                 self.held -= m.cache_bytes(self.caches.pop(key).capacity)
@@ -266,10 +287,14 @@ class Watchdog:
                 return
 
 
+def _say(message: str) -> None:
+    """One line on stderr: where the launcher gathers every rank's output."""
+    print(f"tensorfold: {message}", file=sys.stderr, flush=True)
+
+
 def _leave(message: str) -> None:
     """A rank stuck in a collective cannot be woken: say why and leave, so the launcher or supervisor restarts."""
-    log.critical(message)
-    print(f"tensorfold: {message}", file=sys.stderr, flush=True)
+    _say(message)
     os._exit(EXIT_GROUP_DOWN)
 
 
@@ -331,6 +356,7 @@ class GroupModel:
         self._queue: list = []
         self._freed: deque[tuple[str, int]] = deque()  # handles gone since the last send (finalizers append)
         self._watchdog = Watchdog(self.timeout, self._expired)
+        self._queue.append(Hello(describe_shard(model)))  # checked by every rank before its first forward
 
     # -- the Model protocol --
 
@@ -484,4 +510,7 @@ def follow(model: Model, group: mx.distributed.Group, timeout: float | None = No
                         replica.trail.evaluate(out)
                 except RuntimeError as exc:
                     log.error("rank %d: the group is down (%s); leaving", rank, exc)
+                    return EXIT_GROUP_DOWN
+                except ValueError as exc:  # this rank cannot do what rank 0 did: its shard is not rank 0's
+                    _say(f"rank {rank}: {exc}; leaving the group")
                     return EXIT_GROUP_DOWN

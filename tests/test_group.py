@@ -16,7 +16,8 @@ import pytest
 
 from group_helpers import HERE, launch, ring_env
 from tensorfold_core.errors import CheckpointError
-from tensorfold_core.group import EXIT_GROUP_DOWN, Forward, Free, Keep, NewCache, Stop, decode, encode, launched
+from tensorfold_core.group import (EXIT_GROUP_DOWN, Channel, Forward, Free, Hello, Keep, NewCache, Replica, Stop,
+                                   decode, describe_shard, encode, launched)
 from tensorfold_core.loading import load_model
 from tensorfold_core.memory.ledger import default_budget
 from tensorfold_core.plugins import registry
@@ -55,6 +56,38 @@ def test_a_quantized_row_split_that_would_cut_a_quantization_group_is_refused_by
 def test_rank_0s_commands_survive_their_encoding_in_order():
     commands = [NewCache(1, 64, 8), Forward([1], [5, 6, 7], [3], [1], False), Keep(1, 3), Free([1], [2]), Stop()]
     assert decode(encode(commands)) == commands
+
+
+class Loopback(Channel):
+    """A channel whose collective is rank 0's blocks played back: the framing without a group."""
+
+    def __init__(self):
+        self.blocks: list = []
+
+    def _sum(self, data):
+        if data.any():  # rank 0's bytes; the other ranks add zeros and get them back
+            self.blocks.append(data.copy())
+            return data
+        return self.blocks.pop(0)
+
+
+@pytest.mark.parametrize("ids", [200, 4000])  # one block, and a prompt chunk's commands past it
+def test_a_rounds_commands_reach_the_other_ranks_whole_in_one_block_or_two(ids):
+    commands = [Forward([1], list(range(ids)), [ids], [1], False), Keep(1, ids)]
+    channel = Loopback()
+    channel.send(encode(commands))
+    assert len(channel.blocks) == (1 if ids == 200 else 2)
+    assert decode(channel.receive()) == commands and channel.blocks == []
+
+
+def test_a_rank_whose_shard_is_not_rank_0s_refuses_to_follow_naming_both():
+    llama, _, _ = load_model("tiny-llama")
+    lfm2, _, _ = load_model("tiny-lfm2")
+    for model in (llama, lfm2):
+        shard(model, registry().family_for(model.model_type).shard_plan(model), _two_ranks()[1])
+    with pytest.raises(ValueError, match=r"rank 0 serves lfm2 .* this rank loaded llama .*same model and flags"):
+        Replica(llama).apply(Hello(describe_shard(lfm2)))
+    assert Replica(llama).apply(Hello(describe_shard(llama))) is None
 
 
 def test_the_launchers_environment_names_the_group_before_any_rank_joins(tmp_path):
