@@ -35,6 +35,8 @@ def _refused(response: httpx.Response, status: int = 400) -> dict:
     ("/v1/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', "model"),
     ("/v1/completions", '{"prompt": "x", "stop": ["\\udbff"]}', "stop[0]"),
     ("/v1/completions", '{"prompt": "raw \ud800 bytes", "max_tokens": 2}', "prompt"),  # UTF-8 of a surrogate
+    ("/tokenize", '{"prompt": "ab\\ud800c"}', "prompt"),
+    ("/detokenize", '{"model": "\\udc00", "tokens": [5]}', "model"),
 ])
 def test_a_lone_surrogate_in_any_string_is_a_400_naming_where_it_sits(served, path, raw, param):
     error = _refused(_post(served, path, raw))

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import jinja2
 from fastapi import FastAPI
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from ..errors import CheckpointError, RequestError
 from .bodies import rendered
@@ -15,13 +15,11 @@ from .chat import template_inputs
 from .prompts import tokenizing
 from .schemas import ChatMessage, ToolSpec
 from .served import ServedHost
-from .strict import Many
+from .strict import Many, RequestBody
 from .tools import Toolbox
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
-
+class _Body(RequestBody):
     model: str | None = None
 
 
