@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorfold_contract import Control, KernelRecord, Shape, variant
+from tensorfold_contract import Control, Finding, KernelRecord, Shape, variant
 from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
 
 BITS = 8
@@ -150,6 +150,13 @@ def _shape(label, vocab, rank, dtype="float32", rows=WIDEST, group=64, heavy=Fal
     return Shape(label, {"vocab": vocab, "rank": rank, "dtype": dtype, "group": group}, rows, heavy=heavy)
 
 
+# Seen on the H200 (contract/receipts/h200-2026-12-01-lfm2): picks off the float64 one on near ties (gate 2) and
+# rows that depend on the call's row count (gate 4). A draft that differs costs acceptance, never a reply's ids:
+# the target verifies every draft. A cuda implementation is issue 13's kernel-records item.
+ON_CUDA = tuple(Finding("MLX's CUDA matmul is TF32-like and not row-invariant, and the mlx implementation is composed "
+                        "of it: on CUDA a draft may differ from the float64 pick (the target still verifies it)",
+                        kind="mlx", gate=gate, backend="cuda", mlx="0.32.4") for gate in (2, 4))
+
 RECORD = KernelRecord(
     name="dspark markov pick",
     family="dspark",
@@ -163,6 +170,7 @@ RECORD = KernelRecord(
     edges=(_shape("1 row", **TINY, rows=1), _shape("rank 96, group 32", 1000, 96, group=32, rows=7),
            _shape("empty", **TINY, rows=0)),
     row_inputs=("logits", "previous"),
+    findings=ON_CUDA,
     controls=(
         Control("ties to the highest id", "mlx", 2, variant(ties_to_highest)),
         Control("NaN wins", "mlx", 2, variant(nan_wins)),

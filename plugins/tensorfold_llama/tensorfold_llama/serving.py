@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.nn as nn
-
 from tensorfold_core.kernels import records_served
 from tensorfold_core.row_kernels.modules import RecordLinear, projection_op, swaps
 
@@ -34,7 +32,7 @@ def serve_kernels(model) -> dict:
     blocks.norm = norm(blocks.norm)
     if model.args.tie_word_embeddings:
         embed = blocks.embed_tokens
-        op = projection_op(embed, model.dtype) if not isinstance(embed, nn.QuantizedEmbedding) else None
+        op = projection_op(embed, model.dtype)  # a quantized embedding's codes serve as a 4/8-bit head
         if op in usable:  # the embedding's weight read as a projection; kept out of the module tree (no twin)
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     else:

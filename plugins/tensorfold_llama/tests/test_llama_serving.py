@@ -106,3 +106,13 @@ def test_a_prepared_record_call_is_one_launch_with_the_module_s_current_weights_
     assert second[0] is not first[0] and second[1] is weights["w"] and second[2] is first[2]  # dims kept
     assert first[2].tolist() == [5, 40, 64] and launch["output_dtypes"] == [mx.bfloat16]
     assert prepared(mx.zeros((0, 64), mx.bfloat16))["y"].shape == (0, 40) and len(launches) == 2  # nothing to launch
+
+
+def test_a_tied_4_bit_embedding_is_served_as_the_head_through_the_q4_record(through_records):
+    # on CUDA MLX's quantized head is not row-invariant: left to it, the probe of a 4-bit target fails there
+    model, _, _ = load_model("tiny-llama-drafter-4bit", LoadOptions(dtype="bfloat16"))
+    embed = model.model.embed_tokens
+    assert isinstance(embed, nn.QuantizedEmbedding) and isinstance(model.served_head, RecordLinear)
+    assert model.kernels["projection q4"] == "llama gemv q4 (mlx)"
+    rows = mx.random.normal((6, model.args.hidden_size), key=mx.random.key(1)).astype(mx.bfloat16)
+    assert mx.array_equal(model.served_head(rows), embed.as_linear(rows)).item()
