@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import mlx.core as mx
 import pytest
 
 from group_helpers import HERE, launch, ring_env
@@ -22,6 +23,7 @@ from tensorfold_core.loading import load_model
 from tensorfold_core.memory.ledger import default_budget
 from tensorfold_core.plugins import registry
 from tensorfold_core.shard import shard
+from tensorfold_core.testing import tiny_llama_checkpoint
 
 FAMILIES = ("tiny-llama", "tiny-lfm2", "tiny-lfm2-moe")  # llama, lfm2 (w1/w3/w2 MLPs), lfm2_moe (experts)
 
@@ -44,6 +46,23 @@ def test_a_shard_keeps_half_of_every_split_matrix_and_sizes_caches_per_rank(name
     assert (attention.n_heads, attention.n_kv_heads) == (a.num_attention_heads // 2, a.num_key_value_heads // 2)
     assert attention.k_proj.weight.shape[0] == a.num_key_value_heads // 2 * a.head_dim
     assert half.model.embed_tokens.weight.shape == whole.model.embed_tokens.weight.shape  # replicated
+
+
+def test_a_split_projections_halves_add_up_to_the_whole_and_its_bias_is_added_once(tmp_path):
+    path = tiny_llama_checkpoint(tmp_path, attention_bias=True, mlp_bias=True)
+    whole, _, _ = load_model(path)
+    halves = [load_model(path)[0] for _ in range(2)]
+    for rank, half in zip(_two_ranks(), halves):
+        shard(half, registry().family_for("llama").shard_plan(half), rank)
+    x = mx.random.normal((3, whole.args.hidden_size), key=mx.random.key(0))
+    full, parts = whole.model.layers[0].self_attn, [h.model.layers[0].self_attn for h in halves]
+    q = mx.concatenate([part.q_proj(x) for part in parts], axis=-1)  # column halves, side by side
+    assert mx.allclose(q, full.q_proj(x), atol=1e-5).item()
+    heads = mx.random.normal((3, full.o_proj.weight.shape[1]), key=mx.random.key(1))
+    width = heads.shape[1] // 2  # row halves: each reads its half of the heads' outputs; the bias joins once
+    o = parts[0].o_proj.inner(heads[:, :width]) + parts[1].o_proj.inner(heads[:, width:])
+    assert "bias" not in parts[0].o_proj.inner and "bias" in parts[0].o_proj
+    assert mx.allclose(o + parts[0].o_proj.bias, full.o_proj(heads), atol=1e-4).item()
 
 
 def test_a_quantized_row_split_that_would_cut_a_quantization_group_is_refused_by_name():
