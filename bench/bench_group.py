@@ -23,6 +23,25 @@ from common import (CODE_PROMPTS, MODEL, BenchMismatch, blas_env, check_same_rep
 LAUNCHER = Path(sys.executable).parent / "mlx.launch"  # MLX's own launcher, as users start a group
 
 
+def ring_port(ranks: int) -> int:
+    """A first port whose next `ranks - 1` are free too: mlx.launch gives rank r the port start + r."""
+    import socket
+
+    while True:
+        start, taken = free_port(), []
+        try:
+            for port in range(start, start + ranks):
+                sock = socket.socket()
+                taken.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for sock in taken:
+                sock.close()
+
+
 def threads(env: dict, ranks: int) -> dict:
     """BLAS threads a rank may use: the cores shared out, so two ranks do not oversubscribe them."""
     return {**env, "OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
@@ -47,7 +66,7 @@ def serving(ranks: int, flags: list[str], env: dict, timeout: float = 300):
     port = free_port()
     serve = [sys.executable, "-m", "tensorfold_core", "serve", MODEL, "--port", str(port), *flags]
     command = serve if ranks == 1 else [str(LAUNCHER), "--backend", "ring", "-n", str(ranks),
-                                        "--starting-port", str(free_port()), "--", *serve]
+                                        "--starting-port", str(ring_port(ranks)), "--", *serve]
     log = tempfile.TemporaryFile(mode="w+")
     # a session of its own: the launcher's ranks are stopped with it, and nothing else is
     proc = subprocess.Popen(command, env={**os.environ, **threads(env, ranks)}, stdout=log, stderr=log, text=True,
@@ -144,7 +163,7 @@ def round_costs(dtype: str, env: dict, steps: int) -> tuple[dict, dict]:
               "--steps", str(steps)]
     runs = []
     for ranks, command in ((1, worker), (2, [str(LAUNCHER), "--backend", "ring", "-n", "2", "--starting-port",
-                                             str(free_port()), "--", *worker])):
+                                             str(ring_port(2)), "--", *worker])):
         proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **threads(env, ranks)},
                               timeout=900)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
