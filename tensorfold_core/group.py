@@ -385,8 +385,9 @@ class GroupModel:
 
     def forward_ids(self, caches: Sequence[GroupCache], ids: mx.array, lengths: Sequence[int],
                     logit_rows: Sequence[int], commit: bool = False) -> mx.array:
-        """The forward on every rank: rank 0's graph is built (a refused call reaches no rank), the commands go out,
-        and the logits are evaluated here, so the collectives run in the order every rank runs them."""
+        """The forward on every rank: built here first, then sent, then evaluated here in the ranks' common order."""
+        # built first, so a call the family refuses reaches no rank; evaluated here, not lazily by the caller, so no
+        # other collective can run between this forward's sums
         if self.failure:
             raise GroupError(self.failure)
         command = Forward([c.id for c in caches], np.array(ids).astype(np.int64).tolist(), list(lengths),

@@ -55,8 +55,9 @@ class Trail:
         self.pending = []
 
     def evaluate(self, out: mx.array) -> None:
-        """Evaluate `out` one sum at a time: a rank lost mid-forward then fails the one collective waiting on it, where
-        a graph holding several collectives hangs on the ring backend (mlx 0.32.4)."""
+        """Evaluate `out` one sum at a time, in the order the layers made them."""
+        # a rank lost mid-forward then fails the one collective waiting on it; a graph holding several collectives
+        # hangs instead on the ring backend (mlx 0.32.4: "Failing pending tasks...", then eval never returns)
         pending, self.pending = self.pending, []
         for total in pending:
             mx.eval(total)
@@ -140,8 +141,7 @@ def check_plan(plan: ShardPlan, size: int, source: str) -> None:
 
 
 def shard(model: Model, plan: ShardPlan, group: mx.distributed.Group, source: str = "the model") -> Model:
-    """Keep this rank's shard of every split in `plan`, reduce where it says, size the caches per rank, and leave the
-    sums' `Trail` as `model.reductions`."""
+    """Keep this rank's part of each split, sum where the plan says; leaves `model.shards` and `model.reductions`."""
     rank, size = group.rank(), group.size()
     check_plan(plan, size, source)
     if not isinstance(model, ShardedModel):

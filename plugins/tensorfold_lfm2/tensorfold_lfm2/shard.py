@@ -8,8 +8,7 @@ from .lfm2_moe import SparseMoeBlock
 
 
 def plan(model) -> ShardPlan:
-    """Conv: in_proj's B, C and x blocks split alike by channel, the depthwise conv by channel, out_proj by inputs;
-    attention by whole heads; MLPs and every expert's matrices gate/up by outputs, down by inputs; the router whole."""
+    """Conv channels (in_proj's B/C/x blocks alike, the depthwise conv), heads, MLP and expert widths; router whole."""
     a = model.args
     columns, blocks, rows, channels, reduce, divide = [], [], [], [], [], []
     for i, layer in enumerate(model.model.layers):
