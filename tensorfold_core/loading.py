@@ -137,15 +137,19 @@ def load_shard(model: str | None, options: ServeOptions, joined: "Joined | None"
         raise DrafterError(f"{name} is admitted only as a drafter; serve a target with --drafter {name}")
     progress("loading weights")
     family = registry.family_for(ckpt.model_type)
-    loaded = family.load(ckpt, LoadOptions(dtype=options.dtype))
-    if joined is not None:
-        from .shard import shard
+    size = joined.group.size() if joined is not None else 1
+    if size > 1 and family.shard_plan is None:
+        raise CheckpointError(f"{name}: the {family.name} family declares no shard plan, so a group of {size} "
+                              "cannot serve it")
+    loaded = family.load(ckpt, LoadOptions(dtype=options.dtype, shard=(joined.rank, size) if size > 1 else None))
+    if size > 1:
+        from .shard import ShardedModel, reduce
 
-        if family.shard_plan is None:
-            raise CheckpointError(f"{name}: the {family.name} family declares no shard plan, so a group of "
-                                  f"{joined.group.size()} cannot serve it")
-        progress(f"keeping shard {joined.rank} of {joined.group.size()}")
-        loaded = shard(loaded, family.shard_plan(loaded), joined.group, str(ckpt.path))
+        if not isinstance(loaded, ShardedModel) or loaded.shards != size:
+            raise CheckpointError(f"{name}: the {family.name} family's load kept no shard of {size} "
+                                  "(LoadOptions.shard)")
+        progress(f"keeping shard {joined.rank} of {size}")
+        loaded = reduce(loaded, family.shard_plan(loaded), joined.group)
     return name, loaded, ckpt
 
 

@@ -65,20 +65,18 @@ class Trail:
 
 
 class Reduced(nn.Module):
-    """A module whose output is a rank's partial sum, summed over the group; a split projection's bias added once."""
+    """A module whose output is a rank's partial sum, summed over the group (in the forward's trail)."""
 
-    def __init__(self, inner: nn.Module, group: mx.distributed.Group, trail: Trail, bias: mx.array | None = None):
+    def __init__(self, inner: nn.Module, group: mx.distributed.Group, trail: Trail):
         super().__init__()
         self.inner = inner
         self.group = group
         self.trail = trail
-        if bias is not None:
-            self.bias = bias
 
     def __call__(self, *args, **kwargs) -> mx.array:
         out = fixed_sum(self.inner(*args, **kwargs), self.group)
         self.trail.pending.append(out)
-        return out + self.bias if "bias" in self else out
+        return out
 
 
 def _piece(a: mx.array, axis: int, rank: int, size: int, blocks: int = 1) -> mx.array:
@@ -140,40 +138,44 @@ def check_plan(plan: ShardPlan, size: int, source: str) -> None:
             raise CheckpointError(f"{source}: {key} {value} does not split over a group of {size} ranks")
 
 
-def shard(model: Model, plan: ShardPlan, group: mx.distributed.Group, source: str = "the model") -> Model:
-    """Keep this rank's part of each split, sum where the plan says; leaves `model.shards` and `model.reductions`."""
-    rank, size = group.rank(), group.size()
+def split(model: Model, plan: ShardPlan, rank: int, size: int, source: str = "the model") -> Model:
+    """Keep rank `rank`'s part of each of the plan's splits; a family's load runs it before serving its kernels."""
     check_plan(plan, size, source)
     if not isinstance(model, ShardedModel):
         raise CheckpointError(f"{source}: the {model.model_type} family's model has no `shards` to size its caches")
-    if any(label != "mlx" for label in model.kernels.values()):
-        served = sorted(op for op, label in model.kernels.items() if label != "mlx")
-        raise CheckpointError(f"{source}: a group serves MLX's built-in ops; {', '.join(served)} are served by "
-                              "kernel records here (TENSORFOLD_KERNELS=builtin shards)")
     steps = ([(path, _split_outputs, ()) for path in plan.columns]
              + [(path, _split_outputs, (blocks,)) for path, blocks in plan.blocks]
              + [(path, _split_inputs, ()) for path in plan.rows]
              + [(path, _split_channels, ()) for path in plan.channels])
-    for path, split, extra in steps:
+    for path, cut, extra in steps:
         try:
-            split(_find(model, path), rank, size, *extra)
+            cut(_find(model, path), rank, size, *extra)
         except (KeyError, IndexError, ValueError) as exc:
             raise CheckpointError(f"{source}: cannot split {path} over {size} ranks ({exc})") from exc
+    for path in plan.rows:  # a row split's bias is rank 0's alone, so the group's sum adds it once
+        module = _find(model, path)
+        if rank and "bias" in module:
+            module["bias"] = mx.zeros_like(module["bias"])
     for path, attribute in plan.divide:
         module = _find(model, path)
         setattr(module, attribute, getattr(module, attribute) // size)
-    rows, trail = set(plan.rows), Trail()
-    for path in plan.reduce:
-        module, bias = _find(model, path), None
-        if path in rows and "bias" in module:  # the bias joins after the sum, once, not once per rank
-            bias = module.pop("bias")
-        elif any(r.startswith(path + ".") and "bias" in _find(model, r) for r in rows):
-            raise CheckpointError(f"{source}: {path} sums a split projection with a bias inside it")
-        _set(model, path, Reduced(module, group, trail, bias))
     model.shards = size
-    model.reductions = trail  # the group evaluates each forward through it
     mx.eval(model.parameters())
     return model
+
+
+def reduce(model: Model, plan: ShardPlan, group: mx.distributed.Group) -> Model:
+    """Sum the plan's reduced modules over the group (after any kernel swap); leaves `model.reductions`."""
+    trail = Trail()
+    for path in plan.reduce:
+        _set(model, path, Reduced(_find(model, path), group, trail))
+    model.reductions = trail  # the group evaluates each forward through it
+    return model
+
+
+def shard(model: Model, plan: ShardPlan, group: mx.distributed.Group, source: str = "the model") -> Model:
+    """`split` and `reduce` at once, for a model whose kernels are served already or need no swap."""
+    return reduce(split(model, plan, group.rank(), group.size(), source), plan, group)
 
 
 def split_modules(paths: Sequence[str], names: Sequence[str]) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ class LoadOptions:
     """How a family should materialise a checkpoint."""
 
     dtype: str = "auto"  # auto keeps the checkpoint's float dtype; else bfloat16, float16 or float32
+    shard: tuple[int, int] | None = None  # (rank, size) in a group: keep that rank's part (the family's shard_plan)
 
 
 @dataclass(frozen=True)

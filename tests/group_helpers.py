@@ -87,7 +87,7 @@ def check_rank0(model_name: str, joined) -> dict:
     drafter = start_drafter(name, target.model, target.tokenizer, DrafterOptions.serving(options)) if name else None
     host = Host(target.model, target.tokenizer, options, model_id=model_name, context=512, timed=False,
                 row_invariant=target.row_invariant, group=target.model, drafter=drafter)
-    found = {"model": model_name, "probe": target.probe, "cases": {}}
+    found = {"model": model_name, "probe": target.probe, "kernels": target.model.kernels, "cases": {}}
     for mode, sampling in (("greedy", Sampling(temperature=0.0)), ("seeded", Sampling(temperature=0.9, seed=7))):
         requests = [GenerationRequest(prompt_ids=target.tokenizer.encode(p), max_tokens=16, sampling=sampling)
                     for p in PROMPTS]

@@ -48,10 +48,13 @@ def test_a_shard_keeps_half_of_every_split_matrix_and_sizes_caches_per_rank(name
     assert half.model.embed_tokens.weight.shape == whole.model.embed_tokens.weight.shape  # replicated
 
 
-def test_a_split_projections_halves_add_up_to_the_whole_and_its_bias_is_added_once(tmp_path):
+def test_a_split_projections_halves_add_up_to_the_whole_with_its_bias_added_once_by_rank_0(tmp_path):
     path = tiny_llama_checkpoint(tmp_path, attention_bias=True, mlp_bias=True)
     whole, _, _ = load_model(path)
     halves = [load_model(path)[0] for _ in range(2)]
+    bias = mx.random.normal(whole.model.layers[0].self_attn.o_proj.bias.shape, key=mx.random.key(2))
+    for model in (whole, *halves):  # transformers initialises biases to zero: give o a bias worth adding
+        model.model.layers[0].self_attn.o_proj.bias = bias
     for rank, half in zip(_two_ranks(), halves):
         shard(half, registry().family_for("llama").shard_plan(half), rank)
     x = mx.random.normal((3, whole.args.hidden_size), key=mx.random.key(0))
@@ -59,10 +62,10 @@ def test_a_split_projections_halves_add_up_to_the_whole_and_its_bias_is_added_on
     q = mx.concatenate([part.q_proj(x) for part in parts], axis=-1)  # column halves, side by side
     assert mx.allclose(q, full.q_proj(x), atol=1e-5).item()
     heads = mx.random.normal((3, full.o_proj.weight.shape[1]), key=mx.random.key(1))
-    width = heads.shape[1] // 2  # row halves: each reads its half of the heads' outputs; the bias joins once
+    width = heads.shape[1] // 2  # row halves: each reads its half of the heads' outputs; the bias is rank 0's
     o = parts[0].o_proj.inner(heads[:, :width]) + parts[1].o_proj.inner(heads[:, width:])
-    assert "bias" not in parts[0].o_proj.inner and "bias" in parts[0].o_proj
-    assert mx.allclose(o + parts[0].o_proj.bias, full.o_proj(heads), atol=1e-4).item()
+    assert not parts[1].o_proj.inner.bias.any().item() and parts[0].o_proj.inner.bias.any().item()
+    assert mx.allclose(o, full.o_proj(heads), atol=1e-4).item()
 
 
 def test_a_quantized_row_split_that_would_cut_a_quantization_group_is_refused_by_name():
@@ -126,9 +129,12 @@ def test_capabilities_json_shows_the_group_the_launcher_set_up(tmp_path):
     assert json.loads(launched_rank.stdout)["group"] == {"size": 2, "backend": "ring", "rank": 1}
 
 
-def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_greedy_and_seeded(tmp_path):
+@pytest.mark.parametrize("kernels", ["builtin", "records"])
+def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_greedy_and_seeded(tmp_path, kernels):
+    # records: every op with a kernel record is served through it (on the CPU its composed mlx implementation),
+    # prepared at the shard's shapes, as a GPU group would serve them
     ranks = launch([sys.executable, str(HERE.parent / "group_helpers.py"), *FAMILIES], tmp_path,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   env={"TENSORFOLD_KERNELS": kernels}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outs = [rank.communicate(timeout=600) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     lines = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
@@ -136,6 +142,7 @@ def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_g
     assert [line["model"] for line in served] == list(FAMILIES)
     for found in served:
         assert found["probe"]["row_invariant"], found["probe"]  # the probe ran on the group
+        assert any(label != "mlx" for label in found["kernels"].values()) == (kernels == "records")
         for mode, case in found["cases"].items():
             assert case["errors"] == []
             assert case["plain"] == case["alone"] == case["together"], (found["model"], mode)

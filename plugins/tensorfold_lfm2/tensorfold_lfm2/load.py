@@ -5,11 +5,13 @@ from __future__ import annotations
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import activation_dtype
+from tensorfold_core.shard import split
 from tensorfold_core.specs import LoadOptions
 from tensorfold_core.weights import fill
 
 from . import lfm2, lfm2_moe
 from .serving import serve_kernels
+from .shard import plan
 
 ARCHITECTURES = {"lfm2": lfm2, "lfm2_moe": lfm2_moe}
 FLAGS = ("layer_types, conv_bias, num_dense_layers, num_experts, use_expert_bias, tie_word_embeddings, "
@@ -30,5 +32,7 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> lfm2.Model:
     model = arch.Model(args)
     fill(model, model.sanitize(weights), ckpt, options.dtype, family=ckpt.model_type, flags=FLAGS, keep=KEEP_FLOAT32)
     model.dtype = activation_dtype(model.model.embed_tokens)
+    if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
+        split(model, plan(model), *options.shard, source=str(ckpt.path))
     model.kernels = serve_kernels(model)
     return model

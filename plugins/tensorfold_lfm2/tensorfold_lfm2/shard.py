@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensorfold_core.shard import ShardPlan, split_modules
 
-from .lfm2_moe import SparseMoeBlock
+from .lfm2_moe import ModelArgs as MoeArgs
 
 
 def plan(model) -> ShardPlan:
@@ -25,7 +25,8 @@ def plan(model) -> ShardPlan:
             rows.append(f"{at}.conv.out_proj")
             reduce.append(f"{at}.conv.out_proj")
         ff = f"{at}.feed_forward"
-        if isinstance(layer.feed_forward, SparseMoeBlock):  # one reduce after the weighed experts, not one each
+        # by the config, not the module's type: the plan is read again after the kernels' swap, for its sums
+        if isinstance(a, MoeArgs) and i >= a.num_dense_layers:  # one sum after the weighed experts, not one each
             columns += split_modules([f"{ff}.switch_mlp"], ("gate_proj", "up_proj"))
             rows.append(f"{ff}.switch_mlp.down_proj")
             reduce.append(ff)
