@@ -388,3 +388,27 @@ def test_the_bf16_gemv_cuda_tail_control_edits_a_path_that_an_edge_shape_runs():
     assert "(k + 2 * e < K - 1)" in control.plant(record.implementations["cuda"]).header
     assert [s.label for s in record.edges if s.dims["k"] % 8 and s.rows] == ["K=203, not a multiple of 8"]
     assert control.gate == 3
+
+
+def test_a_gate_that_one_finding_excuses_whole_stops_at_its_first_red_shape_and_a_narrow_one_names_every_shape():
+    import mlx.core as mx
+
+    from tensorfold_contract import Finding
+
+    asked = []
+
+    def everywhere_red(case):  # every shape of gate 3 fails, as MLX's matmul does gate 4 on CUDA
+        asked.append(case.shape.label)
+        return _fails_on(*{s.label for s in _toy().edges})(case)
+
+    def gate_3(finding):
+        asked.clear()
+        record = _toy(impl=everywhere_red, findings=(finding,))
+        return run_contract(pm=_manager(record), seed=1, device=_fake_gpu(mx.__version__)).kernels[0] \
+            .implementations["mlx"].gates[3]
+
+    blanket = gate_3(Finding("MLX's matmul on CUDA", "mlx", 3, backend="cuda"))
+    assert blanket.status == "known" and [label for label, _ in blanket.failures] == [_toy().edges[0].label]
+    assert _toy().edges[-1].label not in asked
+    narrow = gate_3(Finding("MLX's matmul on CUDA", "mlx", 3, backend="cuda", symptom="cudaGraphAddKernelNode"))
+    assert narrow.status == "known" and [label for label, _ in narrow.failures] == [s.label for s in _toy().edges]
