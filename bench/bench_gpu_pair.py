@@ -4,7 +4,8 @@
 # Each mode runs in a child process with TENSORFOLD_KERNELS set (the table is read at load). In it, every prompt is
 # decoded once untimed (MLX compiles its kernels on first use), then plain (`"draft": false`) and drafted, timed; a
 # drafted reply must equal the plain one token for token (check_same_ids) before any rate is printed. Rates count
-# decode rounds only (the prompt's prefill round left out), as `tensorfold run --json` does.
+# decode rounds only (the prompt's prefill round left out), as `tensorfold run --json` does. A mode
+# `records-OP+OP` serves the records but leaves those ops (the family's table names) to MLX: where the time goes.
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def child(args) -> dict:
     for text in prompts:  # compiles every kernel shape the timed runs meet
         for engine in engines():
             decode(engine, request(text), len(request(text).prompt_ids) + args.tokens)
-    out = {"mode": os.environ.get("TENSORFOLD_KERNELS"), "device": str(mx.default_device()), "kernels": model.kernels,
+    out = {"mode": args.mode, "device": str(mx.default_device()), "kernels": model.kernels,
            "probe": target.probe, "prompts": []}
     for text in prompts:
         plain, drafted = engines()
@@ -80,6 +81,7 @@ def main() -> int:
     parser.add_argument("--modes", default="builtin,records")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
@@ -87,8 +89,10 @@ def main() -> int:
     results = []
     for mode in args.modes.split(","):
         command = [sys.executable, __file__, "--child", args.target, args.drafter, "--depth", str(args.depth),
-                   "--tokens", str(args.tokens), "--prompts", str(args.prompts)]
-        done = subprocess.run(command, env=dict(os.environ, TENSORFOLD_KERNELS=mode), capture_output=True, text=True)
+                   "--tokens", str(args.tokens), "--prompts", str(args.prompts), "--mode", mode]
+        table, _, builtin_ops = mode.partition("-")
+        env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
             raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -99,14 +103,15 @@ def main() -> int:
         for i, p in enumerate(r["prompts"]):
             check_same_ids(f"{r['mode']}: drafted vs plain, prompt {i}", p["plain_ids"], p["drafted_ids"])
     first = results[0]
-    print(f"{'mode':<9} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "
+    width = max(9, *(len(r["mode"]) for r in results))
+    print(f"{'mode':<{width}} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "
           f"{'rounds':>7}  same ids as {first['mode']}")
     for r in results:
         plain = mean([p["plain_tok_s"] for p in r["prompts"]])
         drafted = mean([p["drafted_tok_s"] for p in r["prompts"]])
         rounds = sum(p["drafted_rounds"] for p in r["prompts"])
         same = all(p["plain_ids"] == q["plain_ids"] for p, q in zip(r["prompts"], first["prompts"]))
-        print(f"{r['mode']:<9} {str(r['probe']['row_invariant']):<6} {plain:>11.1f} {drafted:>13.1f} "
+        print(f"{r['mode']:<{width}} {str(r['probe']['row_invariant']):<6} {plain:>11.1f} {drafted:>13.1f} "
               f"{drafted / plain if plain else 0:>13.2f} {rounds:>7}  {same}")
     return 0
 

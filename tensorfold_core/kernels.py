@@ -10,6 +10,8 @@ from .errors import OptionError
 BACKENDS = ("cpu", "cuda", "metal")
 BUILTIN = "mlx"  # MLX's own op: served where the row-invariance probe proves it (the CPU today)
 KERNELS_ENV = "TENSORFOLD_KERNELS"  # "builtin" or "records": override the table (tests, measurements)
+# ops (comma-separated, as the table names them) left to MLX on top of the rest: a measurement's attribution of time
+BUILTIN_OPS_ENV = "TENSORFOLD_KERNELS_BUILTIN"
 RECORDS_KIND = {"cpu": "mlx", "cuda": "cuda", "metal": "metal"}  # a record's implementation each backend runs
 
 
@@ -25,16 +27,21 @@ def backend() -> str:
 def served(table: Mapping[str, Mapping[str, str]], on: str | None = None) -> dict[str, str]:
     """Each op's implementation on backend `on` (default: this one): `mlx` for MLX's built-in, else the name of
     the kernel record whose implementation for that backend serves it. TENSORFOLD_KERNELS=records serves every op
-    that has a record through it (on the CPU through the record's composed `mlx` implementation), =builtin none."""
+    that has a record through it (on the CPU through the record's composed `mlx` implementation), =builtin none;
+    TENSORFOLD_KERNELS_BUILTIN then leaves the ops it lists to MLX."""
     on = on or backend()
     override = os.environ.get(KERNELS_ENV, "")
     if override not in ("", "builtin", "records"):
         raise OptionError(f"{KERNELS_ENV}={override}: expected builtin or records")
+    left = {op.strip() for op in os.environ.get(BUILTIN_OPS_ENV, "").split(",") if op.strip()}
+    if left - set(table):
+        raise OptionError(f"{BUILTIN_OPS_ENV}: no op {sorted(left - set(table))[0]!r} in this family's table "
+                          f"(it has: {', '.join(table)})")
     out = {}
     for op, choices in table.items():
         chosen = choices.get(on, BUILTIN)
         record = next((name for name in choices.values() if name != BUILTIN), None)
-        if override == "builtin":
+        if override == "builtin" or op in left:
             chosen = BUILTIN
         elif override == "records" and record is not None:
             chosen = record

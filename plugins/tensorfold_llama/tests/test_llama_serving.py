@@ -76,6 +76,20 @@ def test_served_through_its_records_drafted_and_concurrent_replies_equal_the_pla
         assert run.tokens(sid) == solo(model, serial(request))
 
 
+def test_ops_listed_as_built_in_leave_their_records_and_an_unknown_op_is_named(monkeypatch):
+    from tensorfold_core.errors import OptionError
+    from tensorfold_core.kernels import BUILTIN_OPS_ENV
+
+    monkeypatch.setenv(KERNELS_ENV, "records")
+    monkeypatch.setenv(BUILTIN_OPS_ENV, "attention, projection bf16")
+    chosen = served(OPS, "cuda")
+    assert chosen["attention"] == chosen["projection bf16"] == BUILTIN
+    assert chosen["rms_norm"] == "llama rmsnorm" and chosen["projection q4"] == "llama gemv q4"
+    monkeypatch.setenv(BUILTIN_OPS_ENV, "attenion")
+    with pytest.raises(OptionError, match=f"{BUILTIN_OPS_ENV}: no op 'attenion'"):
+        served(OPS, "cuda")
+
+
 def test_an_unknown_override_names_the_variable(monkeypatch):
     from tensorfold_core.errors import OptionError
 

@@ -1,0 +1,135 @@
+"""The bf16 GEMV record's tile geometry swept on CUDA: every (MAXT, MT, U) timed per row count and shape, each
+output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
+
+# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,4,16]
+# The served tiles (gemv.tiles) against every other geometry of the same K split (WARPS): an output that differs
+# in one bit from the served geometry's is a failure, and that geometry is not timed. Other splits change the sums
+# (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
+# own 1-row call (row invariance, as gate 4 asks), and timed beside. MLX's matmul is timed as the speed to beat.
+# The sweep stops starting cells after --seconds so a device call ends inside its limit; the JSON is rewritten as
+# it goes.
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from tensorfold_contract.gates import _build
+from tensorfold_contract.helpers import groups
+from tensorfold_core.row_kernels import gemv
+
+SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192), (8192, 8192))  # (N, K): a 1B's q/o, gate/up, down; the bench's
+ROWS = (1, 2, 4, 5, 8, 10, 16, 20, 32, 40, 64, 128)
+REGISTERS = 160  # geometries whose accumulators and loads would spill are left out
+
+
+def geometries(warps: int) -> list[tuple[int, int, int]]:
+    """Every geometry for the served split; fewer for the others (each template is a compile of its own)."""
+    out = []
+    for maxt in (1, 2, 4, 8):
+        for mt in (1, 2, 4) if warps == gemv.WARPS else (1, 2):
+            for u in (1, 2, 4, 8) if warps == gemv.WARPS else (2, 4):
+                shared = 4 * warps * 8 * maxt * 16
+                if 4 * mt * maxt + 8 * u * mt <= REGISTERS and shared <= 48 * 1024:
+                    out.append((maxt, mt, u))
+    return out
+
+
+def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: tuple[int, int, int]):
+    maxt, mt, u = geometry
+    rows = x.shape[0]
+    source = gemv.source("cuda", 16)
+    kernel = _build("cuda", source, 0)
+    dims = mx.array([rows, n, k], dtype=mx.int32)
+    blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt)
+
+    def call():
+        return kernel(inputs=[x, w, dims], template=[("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u),
+                                                     ("T", mx.bfloat16)],
+                      grid=(blocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+                      output_shapes=[(rows, n)], output_dtypes=[mx.bfloat16])[0]
+
+    return call
+
+
+def timed(fn, reps: int = 3, launches: int = 20) -> float:
+    mx.eval(fn())
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(launches)])
+        samples.append((time.perf_counter() - t0) / launches)
+    return statistics.median(samples)
+
+
+def sweep(args) -> tuple[list[dict], list[str]]:
+    cells, failures, start = [], [], time.monotonic()
+    warps_list = [int(v) for v in args.warps.split(",")]
+    for n, k in SHAPES:
+        w = mx.random.normal((n, k), key=mx.random.key(1)).astype(mx.bfloat16) / (k ** 0.5)
+        x_all = mx.random.normal((max(ROWS), k), key=mx.random.key(2)).astype(mx.bfloat16)
+        mx.eval(w, x_all)
+        weight_bytes = n * k * 2
+        for rows in ROWS:
+            if time.monotonic() - start > args.seconds:
+                return cells, failures + [f"cut at {args.seconds} s before N={n} K={k} rows {rows}"]
+            x = x_all[:rows]
+            mx.eval(x)
+            t_mlx = timed(lambda: x @ w.T)
+            cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.tiles(rows)),
+                    "geometries": []}
+            for warps in warps_list:
+                own = gemv.tiles(rows) if warps == gemv.WARPS else geometries(warps)[0]
+                first = kernel_call(n, k, x, w, warps, own)()
+                alone = kernel_call(n, k, x[:1], w, warps, gemv.tiles(1) if warps == gemv.WARPS else own)()
+                mx.eval(first, alone)
+                if not mx.array_equal(first[:1], alone).item():
+                    failures.append(f"WARPS={warps} N={n} K={k}: row 0 of {rows} rows differs from its 1-row call")
+                for geometry in geometries(warps):
+                    call = kernel_call(n, k, x, w, warps, geometry)
+                    y = call()
+                    if not mx.array_equal(y, first).item():
+                        failures.append(f"WARPS={warps} {geometry} N={n} K={k} rows {rows}: differs from {own}")
+                        continue
+                    t = timed(call)
+                    cell["geometries"].append({"warps": warps, "maxt": geometry[0], "mt": geometry[1],
+                                               "u": geometry[2], "us": round(t * 1e6, 1),
+                                               "gbps": round(weight_bytes / t / 1e9, 1)})
+            served = next((g for g in cell["geometries"] if g["warps"] == gemv.WARPS
+                           and [g["maxt"], g["mt"], g["u"]] == cell["served"]), {"us": float("nan")})
+            best = min((g for g in cell["geometries"] if g["warps"] == gemv.WARPS), key=lambda g: g["us"])
+            best_any = min(cell["geometries"], key=lambda g: g["us"])
+            cell.update(served_us=served["us"], best=best, best_any_split=best_any)
+            cells.append(cell)
+            print(f"N={n:>5} K={k:>5} rows {rows:>3}: mlx {t_mlx * 1e6:7.1f} us | served {cell['served']} "
+                  f"{served['us']:7.1f} us | best {best['maxt'], best['mt'], best['u']} {best['us']:7.1f} us "
+                  f"({best['gbps']:6.0f} GB/s) | any split: W{best_any['warps']} "
+                  f"{best_any['maxt'], best_any['mt'], best_any['u']} {best_any['us']:7.1f} us", flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"mlx": mx.__version__, "cells": cells, "failures": failures}, f, indent=1)
+    return cells, failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--seconds", type=float, default=240)
+    parser.add_argument("--warps", default="8,4,16", help="K splits to sweep; the first is compared bit for bit")
+    args = parser.parse_args()
+    if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
+        print("the tile sweep times the cuda source: no CUDA device here", file=sys.stderr)
+        return 2
+    _, failures = sweep(args)
+    for failure in failures:
+        print("FAIL" if "differs" in failure else "NOTE", failure, file=sys.stderr)
+    return 1 if any("differs" in f for f in failures) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
