@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -146,6 +147,9 @@ class Server:
                 ready_callback(self)
 
         self._uvicorn.on_started = started
+        # the loaded model lives as long as the process: full collections, which stall the loop too, skip it
+        gc.collect()
+        gc.freeze()
         try:
             self._uvicorn.run(sockets=[self.socket])
         finally:

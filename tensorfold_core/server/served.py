@@ -23,7 +23,7 @@ class ServedHost(Protocol):
         """End the request at its next round (a queued one at once)."""
 
     def health(self) -> dict:
-        """Liveness and load: status, streams, queue, rounds, memory."""
+        """Liveness and load: status, streams, queue, rounds, memory; called on the event loop, so it only reads."""
 
     def capabilities(self) -> dict:
         """What the install can do and how this host serves."""
