@@ -9,7 +9,7 @@ from .errors import OptionError
 
 BACKENDS = ("cpu", "cuda", "metal")
 BUILTIN = "mlx"  # MLX's own op: served where the row-invariance probe proves it (the CPU today)
-KERNELS_ENV = "TENSORFOLD_KERNELS"  # "builtin" or "records": override the table (tests, measurements)
+KERNELS_ENV = "TENSORFOLD_KERNELS"  # "builtin" or "records": override the table (tests, measurements); "table": none
 # ops (comma-separated, as the table names them) left to MLX on top of the rest: a measurement's attribution of time
 BUILTIN_OPS_ENV = "TENSORFOLD_KERNELS_BUILTIN"
 RECORDS_KIND = {"cpu": "mlx", "cuda": "cuda", "metal": "metal"}  # a record's implementation each backend runs
@@ -31,8 +31,8 @@ def served(table: Mapping[str, Mapping[str, str]], on: str | None = None) -> dic
     TENSORFOLD_KERNELS_BUILTIN then leaves the ops it lists to MLX."""
     on = on or backend()
     override = os.environ.get(KERNELS_ENV, "")
-    if override not in ("", "builtin", "records"):
-        raise OptionError(f"{KERNELS_ENV}={override}: expected builtin or records")
+    if override not in ("", "table", "builtin", "records"):
+        raise OptionError(f"{KERNELS_ENV}={override}: expected table, builtin or records")
     left = {op.strip() for op in os.environ.get(BUILTIN_OPS_ENV, "").split(",") if op.strip()}
     if left - set(table):
         raise OptionError(f"{BUILTIN_OPS_ENV}: no op {sorted(left - set(table))[0]!r} in this family's table "

@@ -48,10 +48,11 @@ def test_a_reply_that_differs_is_a_mismatch_naming_the_case_and_its_first_differ
                                                "cached_tokens": 0, "cancelled": 1, "neighbours": 1, "cut": 0}
 
 
-def test_a_records_mismatch_fails_the_run_and_a_builtin_one_is_only_reported():
+def test_a_records_or_table_mismatch_fails_the_run_and_a_builtin_one_is_only_reported():
     clean = {"mismatches": [], "cases": 10, "expected cases": 10}
     assert not gpu_exact.failed({"mode": "records", **clean})
     assert gpu_exact.failed({"mode": "records", **clean, "mismatches": ["x"]})
     assert gpu_exact.failed({"mode": "records", **clean, "cases": 9})
     assert gpu_exact.failed({"mode": "records", "error": "crashed", "expected cases": 10})
+    assert gpu_exact.failed({"mode": "table", **clean, "mismatches": ["x"]})
     assert not gpu_exact.failed({"mode": "builtin", **clean, "mismatches": ["x"]})

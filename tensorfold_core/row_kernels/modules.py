@@ -3,10 +3,14 @@ them into a loaded model."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import os
+from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+
+
+FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch (to measure what fusing saves)
 
 
 def projection_op(module: nn.Module, activations: mx.Dtype) -> str | None:
@@ -59,6 +63,54 @@ class RecordLinear(Served):
     def __call__(self, x: mx.array) -> mx.array:
         y = self.launch(x)["y"]
         return y + self.inner.bias if self.biased else y
+
+
+class RecordFused:
+    """Projections of the same rows (q/k/v, gate/up) served as one launch of a GEMV record over their weights stacked
+    by output columns; each part's output is bit-equal to its own launch, since in the GEMV kernels a column's sum
+    reads its own weight row alone, whatever the matrix's width."""
+
+    def __init__(self, parts: Sequence[nn.Module], record, kind: str):
+        from tensorfold_contract.serving import Prepared
+
+        from .gemv import OUT
+
+        first = parts[0]
+        names = ("weight", "scales", "biases") if "scales" in first else ("weight",)
+        stacked = {name: mx.concatenate([part[name] for part in parts]) for name in names}
+        mx.eval(stacked)
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + part.weight.shape[0])
+        for part, lo, hi in zip(parts, bounds, bounds[1:]):  # each part's weights become a view of the stack: no twin
+            part.update({name: stacked[name][lo:hi] for name in names})
+        if "scales" in first:
+            dims = {"n": bounds[-1], "k": first.weight.shape[1] * 32 // first.bits, "group": first.group_size}
+            arrays = {"wq": stacked["weight"], "scales": stacked["scales"], "biases": stacked["biases"]}
+        else:
+            dims, arrays = {"n": bounds[-1], "k": first.weight.shape[1]}, {"w": stacked["weight"]}
+        self.launch = Prepared(kind, record.implementations[kind], {**dims, "out": OUT}, lambda: arrays, "x")
+        self.bounds, self.biases = bounds, [part.get("bias") for part in parts]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        y = self.launch(x)["y"]
+        outs = [y[:, lo:hi] for lo, hi in zip(self.bounds, self.bounds[1:])]
+        return [out if bias is None else out + bias for out, bias in zip(outs, self.biases)]
+
+
+def fused(parts: Sequence[nn.Module], usable: Mapping[str, object], kind: str,
+          activations: mx.Dtype) -> RecordFused | None:
+    """One launch for projections that read the same rows, where one record serves them all alike (same op, group
+    size and input width); None where it does not, or where TENSORFOLD_FUSED=0 asks each its own (a measurement)."""
+    inner = [part.inner if isinstance(part, Served) else part for part in parts]
+    ops = {projection_op(part, activations) for part in inner}
+    op = ops.pop() if len(ops) == 1 else None
+    if op not in usable or os.environ.get(FUSED_ENV, "1") == "0":
+        return None
+    if len({(part.weight.shape[1], getattr(part, "group_size", None), getattr(part, "bits", None))
+            for part in inner}) != 1:
+        return None
+    return RecordFused(inner, usable[op], kind)
 
 
 class RecordNorm(Served):

@@ -1,12 +1,13 @@
 """On the H200 (and the CPU): the load probe and drafted == "draft": false == shared == resumed, per family and mode.
 
-Each family and mode runs in a child process with TENSORFOLD_KERNELS set: `builtin` (MLX's own ops everywhere) and
-`records` (the family's table: its kernel records where it names them). The reference is each request served alone
+Each family and mode runs in a child process with TENSORFOLD_KERNELS set: `builtin` (MLX's own ops everywhere),
+`records` (every op that has a kernel record through it) and `table` (the family's table as it ships: its records
+where it names them on this backend, MLX's ops the probe proves elsewhere). The reference is each request served alone
 with draft=False; against it: drafted alone, plain and drafted at each --streams count with streams joining a running
 engine and neighbours cancelled mid-run, and two passes through a prompt cache (the second resumes each prompt's
 kept state), greedy and seeded. Rounds are shared and drafted even where the probe fails, so a backend that is not
 row-invariant shows its mismatches instead of hiding them. Exit 1 on a mismatch, a missing case or a failed child in
-`records` mode; `builtin` is reported only, and cut after --builtin-seconds (on CUDA it is slow and expected to differ).
+`records` or `table` mode; `builtin` is reported only, and cut after --builtin-seconds (on CUDA it is slow and expected to differ).
 Usage: python3 tools/device/gpu_exact.py --out DIR [--families llama,lfm2] [--modes records] [--tokens 32]
        [--prompts 12] [--streams 4,8]     (docs/gpu.md: how to run it on the H200, what it prints)
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from exact_cases import FAMILIES, PROMPTS, run_family
 
-MODES = ("builtin", "records")
+MODES = ("builtin", "records", "table")
 
 
 def expected_cases(prompts: int, streams: list[int], drafted: bool) -> int:
@@ -63,8 +64,8 @@ def summary(reports: list[dict]) -> list[str]:
 
 
 def failed(report: dict) -> bool:
-    """Whether the report fails the run: records mode only, on a mismatch, a crash or a missing case."""
-    if report["mode"] != "records":
+    """Whether the report fails the run: records or table mode, on a mismatch, a crash or a missing case."""
+    if report["mode"] == "builtin":
         return False
     return "error" in report or bool(report["mismatches"]) or report["cases"] != report["expected cases"]
 
@@ -90,7 +91,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="writes gpu_exact.json here (required)")
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"of {', '.join(FAMILIES)}")
-    parser.add_argument("--modes", default=",".join(MODES), help="kernel table modes (TENSORFOLD_KERNELS)")
+    parser.add_argument("--modes", default="builtin,records", help=f"kernel table modes (TENSORFOLD_KERNELS) of "
+                        f"{', '.join(MODES)}")
     parser.add_argument("--tokens", type=int, default=32, help="reply tokens of the shortest request")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
     parser.add_argument("--streams", default="4,8", help="concurrent stream counts of the shared runs")

@@ -10,7 +10,7 @@ OPS = {
     "projection bf16": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16", "metal": "lfm2 gemv bf16"},
     "projection q4": {"cpu": BUILTIN, "cuda": "lfm2 gemv q4", "metal": BUILTIN},
     "projection q8": {"cpu": BUILTIN, "cuda": "lfm2 gemv q8", "metal": BUILTIN},
-    "rms_norm": {"cpu": BUILTIN, "cuda": "lfm2 rmsnorm", "metal": "lfm2 rmsnorm"},
+    "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "lfm2 rmsnorm"},  # row-invariant on CUDA, as llama's
     "attention": {"cpu": BUILTIN, "cuda": "lfm2 window attention", "metal": "lfm2 window attention"},
     "short conv": {"cpu": BUILTIN, "cuda": "lfm2 stream conv", "metal": "lfm2 stream conv"},
     "moe router": {"cpu": BUILTIN, "cuda": "lfm2_moe router top-k", "metal": "lfm2_moe router top-k"},

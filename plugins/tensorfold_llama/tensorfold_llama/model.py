@@ -105,9 +105,13 @@ class Attention(nn.Module):
         # a window-attention record's implementation where the family's table names one (serving.py): it reads
         # the cache's whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
         self.attend = None
+        object.__setattr__(self, "qkv", None)  # q, k and v in one launch where a record serves them (serving.py)
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv is not None:
+            queries, keys, values = self.qkv(x)
+        else:
+            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
             q = queries[start:start + n].reshape(1, n, self.n_heads, -1).transpose(0, 2, 1, 3)
@@ -132,9 +136,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        object.__setattr__(self, "gate_up", None)  # both in one launch where a record serves them (serving.py)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(swiglu(gate, up))
 
 
 class TransformerBlock(nn.Module):

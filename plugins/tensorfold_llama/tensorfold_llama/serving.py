@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import RecordLinear, projection_op, swaps
+from tensorfold_core.row_kernels.modules import RecordLinear, fused, projection_op, swaps
 
 from .kernels import records
 from .ops import OPS
@@ -27,6 +27,9 @@ def serve_kernels(model) -> dict:
             setattr(attn, name, linear(getattr(attn, name)))
         for name in ("gate_proj", "up_proj", "down_proj"):
             setattr(mlp, name, linear(getattr(mlp, name)))
+        # projections of the same rows in one launch: fewer launches, the same bits
+        object.__setattr__(attn, "qkv", fused([attn.q_proj, attn.k_proj, attn.v_proj], usable, kind, model.dtype))
+        object.__setattr__(mlp, "gate_up", fused([mlp.gate_proj, mlp.up_proj], usable, kind, model.dtype))
         layer.input_layernorm = norm(layer.input_layernorm)
         layer.post_attention_layernorm = norm(layer.post_attention_layernorm)
     blocks.norm = norm(blocks.norm)

@@ -35,9 +35,9 @@ def test_the_cpu_serves_every_op_through_mlx_built_ins_and_capabilities_show_the
         "llama gemv bf16"
 
 
-def test_on_cuda_the_table_serves_the_gemv_rmsnorm_and_window_attention_records():
+def test_on_cuda_the_table_serves_the_gemv_and_window_attention_records_and_mlx_s_row_invariant_rms_norm():
     chosen = served(OPS, "cuda")
-    assert chosen["projection bf16"] == "llama gemv bf16" and chosen["rms_norm"] == "llama rmsnorm"
+    assert chosen["projection bf16"] == "llama gemv bf16" and chosen["rms_norm"] == BUILTIN
     assert chosen["attention"] == "llama window attention"
 
 
@@ -94,7 +94,7 @@ def test_an_unknown_override_names_the_variable(monkeypatch):
     from tensorfold_core.errors import OptionError
 
     monkeypatch.setenv(KERNELS_ENV, "fast")
-    with pytest.raises(OptionError, match=f"{KERNELS_ENV}=fast: expected builtin or records"):
+    with pytest.raises(OptionError, match=f"{KERNELS_ENV}=fast: expected table, builtin or records"):
         served(OPS)
 
 
@@ -130,3 +130,31 @@ def test_a_tied_4_bit_embedding_is_served_as_the_head_through_the_q4_record(thro
     assert model.kernels["projection q4"] == "llama gemv q4 (mlx)"
     rows = mx.random.normal((6, model.args.hidden_size), key=mx.random.key(1)).astype(mx.bfloat16)
     assert mx.array_equal(model.served_head(rows), embed.as_linear(rows)).item()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-drafter-4bit"])
+def test_q_k_v_and_gate_up_are_each_one_launch_whose_parts_equal_their_own_launches_bit_for_bit(through_records,
+                                                                                               name):
+    from tensorfold_core.row_kernels.modules import RecordFused
+
+    model, _, _ = load_model(name, LoadOptions(dtype="bfloat16"))
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(attn.qkv, RecordFused) and isinstance(mlp.gate_up, RecordFused)
+    rows = mx.random.normal((5, model.args.hidden_size), key=mx.random.key(2)).astype(mx.bfloat16)
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+    together = attn.qkv(rows) + mlp.gate_up(rows)
+    assert [tuple(y.shape) for y in together] == [(5, p.weight.shape[0]) for p in parts]
+    for part, y in zip(parts, together):
+        assert isinstance(part, RecordLinear) and mx.array_equal(part(rows), y).item()
+    # each part's weights are a view of the stack, so the model holds them once
+    stacked = attn.qkv.launch.fixed()
+    assert sum(p.weight.nbytes for p in parts[:3]) == next(iter(stacked.values())).nbytes
+
+
+def test_projections_are_launched_one_by_one_where_fusing_is_turned_off(through_records, monkeypatch):
+    from tensorfold_core.row_kernels.modules import FUSED_ENV
+
+    monkeypatch.setenv(FUSED_ENV, "0")
+    model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert model.model.layers[0].self_attn.qkv is None and model.model.layers[0].mlp.gate_up is None

@@ -1,0 +1,94 @@
+"""What one launch costs on CUDA in a chain of dependent ops, as a forward makes them: MLX's custom kernels (an empty
+one, the rmsnorm and GEMV records) against MLX's own ops at one row, outputs checked before timing."""
+
+# python bench/bench_launch.py [--json OUT] [--chain 200]
+# Each cell evaluates a chain of --chain calls, each reading the previous one's output (a forward's ops wait on each
+# other), and keeps the median of 5 evaluations; per call = time / chain. An empty custom kernel gives the floor
+# of the custom-kernel path, mx.abs on one row the floor of MLX's own.
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from tensorfold_contract.serving import Prepared
+from tensorfold_core.row_kernels import gemv, rmsnorm
+
+D = 2048
+
+
+def per_call(step, x, chain: int) -> float:
+    def run():
+        y = x
+        for _ in range(chain):
+            y = step(y)
+        return y
+
+    mx.eval(run())
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval(run())
+        samples.append((time.perf_counter() - t0) / chain)
+    return statistics.median(samples)
+
+
+def cells() -> dict:
+    w = (mx.random.normal((D, D), key=mx.random.key(1)) / D ** 0.5).astype(mx.bfloat16)
+    norm_w = mx.ones((D,), mx.bfloat16)
+    empty = mx.fast.cuda_kernel(name="tf_copy_row", input_names=["x"], output_names=["y"],
+                                source="const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                                       f"if (i < {D}) y[i] = x[i];\n")
+    gemv_launch = Prepared("cuda", gemv.source("cuda", 16), {"n": D, "k": D, "out": gemv.OUT}, lambda: {"w": w}, "x")
+    norm_launch = Prepared("cuda", rmsnorm.source("cuda"),
+                           {"d": D, "dtype": "bfloat16", "eps": 1e-5},
+                           lambda: {"w": norm_w, "eps": mx.array([1e-5], mx.float32)}, "x")
+    x = mx.random.normal((1, D), key=mx.random.key(2)).astype(mx.bfloat16)
+    steps = {
+        "mlx abs (one row)": lambda y: mx.abs(y),
+        "custom kernel, a row copy": lambda y: empty(inputs=[y], grid=(D, 1, 1), threadgroup=(256, 1, 1),
+                                                     output_shapes=[y.shape], output_dtypes=[y.dtype])[0],
+        "mlx fast.rms_norm": lambda y: mx.fast.rms_norm(y, norm_w, 1e-5),
+        "rmsnorm record (cuda)": lambda y: norm_launch(y)["out"],
+        "mlx matmul 2048x2048": lambda y: y @ w.T,
+        "gemv record bf16 2048x2048 (cuda)": lambda y: gemv_launch(y)["y"],
+    }
+    checks = {"rmsnorm": (norm_launch(x)["out"], mx.fast.rms_norm(x, norm_w, 1e-5)),
+              "gemv": (gemv_launch(x)["y"], x @ w.T)}
+    for name, (ours, theirs) in checks.items():
+        if not mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), rtol=2e-2, atol=2e-2).item():
+            raise SystemExit(f"{name}: the record's output is not MLX's: nothing timed")
+    out = {}
+    for name, step in steps.items():
+        try:
+            out[name] = round(per_call(step, x, ARGS.chain) * 1e6, 2)
+        except RuntimeError as exc:  # one cell's failure costs that cell alone
+            print(f"{name}: {exc}", file=sys.stderr)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--chain", type=int, default=200)
+    global ARGS
+    ARGS = parser.parse_args()
+    if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
+        print("the launch bench times cuda kernels: no CUDA device here", file=sys.stderr)
+        return 2
+    results = cells()
+    for name, us in results.items():
+        print(f"{name:<36} {us:8.2f} us a call in a chain of {ARGS.chain}")
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump({"mlx": mx.__version__, "chain": ARGS.chain, "us_per_call": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
