@@ -13,6 +13,12 @@ def device_info() -> dict:
             "metal": mx.metal.is_available(), "platform": platform.platform(), "mlx": mx.__version__}
 
 
+def release_thread() -> None:
+    """Free the calling thread's MLX streams and compile cache now: the last thing a thread that ran MLX does."""
+    # left to the thread's exit, they go after join() returns and may meet the interpreter's teardown: SIGABRT
+    mx.clear_streams()
+
+
 def _rows_invariant(op, x: mx.array, max_rows: int = 16) -> bool:
     """Each row of a k-row call must be bit-equal to its own 1-row call."""
     singles = [op(x[i:i + 1]) for i in range(max_rows)]

@@ -147,11 +147,6 @@ def serve(model, **values):
         run_server(host, options.host, options.port, options=options)
     finally:
         host.close()
-    # drained and closed: leave without the interpreter's teardown, where a daemon thread's garbage collection
-    # could free a native object (MLX, tokenizers) after its library's statics are gone (seen: SIGABRT at exit)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @main.command()

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .backend import release_thread
 from .errors import GroupError, RequestError
 from .lanes.engine import Engine
 from .lanes.stream import Stream
@@ -172,19 +173,22 @@ class Host:
                                    limit=limit, cached_tokens=cached_tokens))
 
     def _loop(self) -> None:
-        while not self._closed:
-            self._drain_inbox()
-            self._admit()
-            if self.engine.idle():
-                if self.group is not None:  # frees the other ranks' caches, and finds a lost rank while idle
-                    self.group.sync()
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                self.engine.round()
-            except Exception:  # keep serving: the engine already failed the streams it could name
-                log.exception("round failed")
+        try:
+            while not self._closed:
+                self._drain_inbox()
+                self._admit()
+                if self.engine.idle():
+                    if self.group is not None:  # frees the other ranks' caches, and finds a lost rank while idle
+                        self.group.sync()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    self.engine.round()
+                except Exception:  # keep serving: the engine already failed the streams it could name
+                    log.exception("round failed")
+        finally:
+            release_thread()
 
     def queued(self) -> int:
         return len(self._waiting)
@@ -224,6 +228,8 @@ class Host:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+            if self._thread.is_alive():  # still inside MLX: the interpreter's teardown may abort under it
+                log.warning("the engine thread is still running a round 10 s after close()")
         if self.drafter is not None:
             self.drafter.close()
         if self.group is not None:  # last: the other ranks leave once no round can run
