@@ -227,7 +227,8 @@ def watch_health(url: str, control: str, stop: threading.Event, latencies: list[
 
 def summary(values: list[float]) -> dict:
     return {"count": len(values), "median": round(statistics.median(values), 1),
-            "p99": round(percentile(values, 0.99), 1), "max": round(max(values), 1)} if values else {}
+            "p99": round(percentile(values, 0.99), 1), "max": round(max(values), 1),
+            "over_limit": sum(v >= HEALTH_LIMIT_MS for v in values)} if values else {}
 
 
 def percentile(values: list[float], q: float) -> float:
