@@ -92,6 +92,17 @@ def test_a_client_that_never_finishes_its_headers_is_disconnected(served):
         sock.close()
 
 
+def test_an_idle_keep_alive_connection_is_closed_after_its_answer(served):
+    with server_over(served.host, keep_alive_s=0.3, read_timeout_s=120) as server:  # only keep-alive can close it
+        sock = _raw(server)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: keep-alive\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):  # ends when the server closes the idle connection, not at our 30 s timeout
+            answer += chunk
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+
+
 def test_a_body_that_stalls_is_a_408_and_the_connection_closes(served):
     with server_over(served.host, read_timeout_s=0.3) as server:
         sock = _raw(server)
