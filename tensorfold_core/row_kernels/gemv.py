@@ -18,8 +18,8 @@ from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_BF16_HEADER, CUDA_FOLD, M
 
 THREADS = 128  # four warps a group (affine)
 WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input steps w, w + 8, ... of every column
-# The widest call gate 4 proves row by row: 8 streams' windows of 16 rows, two of the bf16 kernel's 64-row blocks
-# and eight of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
+# The widest call gate 4 proves row by row: 8 streams' windows of 16 rows, eight of the bf16 kernel's 16-row blocks
+# and of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
 
@@ -34,9 +34,11 @@ def buckets(rows: int) -> tuple[int, int]:
 
 def tiles(rows: int) -> tuple[int, int, int]:
     """The bf16 kernel's (MAXT, MT, U) for a call of `rows` rows: 8-row tiles a group, 16-column tiles a warp, and
-    steps loaded together; beyond 64 rows the grid repeats 64-row blocks. None of it changes a (row, column) sum."""
-    maxt = next(b for b in (1, 2, 4, 8) if 8 * b >= min(max(rows, 1), 64))
-    return (maxt, 1, 4) if maxt <= 2 else (maxt, 2, 2)  # many rows: two column tiles a warp halve the x re-reads
+    steps loaded together; past 16 rows the grid repeats 16-row blocks. None of it changes a (row, column) sum."""
+    # the fastest on the H200 at 1-128 rows of the 1B's and the bench's shapes (bench/bench_gemv_tiles.py, which
+    # found every geometry's output bit-equal): more, smaller blocks beat deeper tiles, whose x re-reads and
+    # registers cost more than the weights they share
+    return (1, 2, 1) if rows <= 8 else (2, 2, 1)
 
 
 def make_for(bits: int):
@@ -263,6 +265,8 @@ ONE_GROUP_ON_CUDA = Finding("MLX 0.32.4's CUDA quantized_matmul is wrong when a 
                             "(K=64, group 64): an MLX bug, not ours; the cuda implementation is right there",
                             kind="mlx", gate=3, backend="cuda", case="K=64, one group", symptom=" off by ",
                             mlx="0.32.4")
+# The same edge on the H200 on 2026-12-01 (h200-2026-12-01-evening, lfm2 gemv q4): NaN where a value was due
+ONE_GROUP_NAN_ON_CUDA = dataclasses.replace(ONE_GROUP_ON_CUDA, symptom="= nan")
 
 
 def record(family: str, bits: int, shapes: tuple[Shape, ...]) -> KernelRecord:
@@ -270,7 +274,8 @@ def record(family: str, bits: int, shapes: tuple[Shape, ...]) -> KernelRecord:
     label = "bf16" if bits == 16 else f"q{bits}"
     common = dict(family=family, make=make_for(bits), reference=reference_for(bits), shapes=shapes,
                   edges=edges(bits), tolerance=tolerance, row_inputs=("x",), max_rows=WIDEST_CALL,
-                  findings=(NOT_INVARIANT_ON_CUDA,) if bits == 16 else (NOT_INVARIANT_ON_CUDA, ONE_GROUP_ON_CUDA))
+                  findings=(NOT_INVARIANT_ON_CUDA,) if bits == 16 else (NOT_INVARIANT_ON_CUDA, ONE_GROUP_ON_CUDA,
+                                                                      ONE_GROUP_NAN_ON_CUDA))
     cuda = [Control("row-count-dependent reduction order", "cuda", 4, REORDER),
             Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup())]
     if bits == 16:
