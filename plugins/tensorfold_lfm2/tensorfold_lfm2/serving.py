@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import records_served
@@ -46,8 +47,10 @@ class ServedConv:
 
 
 class ServedMoe(Served):
-    """A sparse MoE block through the records: the router's gate as a projection, the router record's top-k, every
-    expert's matrices as projections over every row, then each row's picks weighed and added best first."""
+    """A sparse MoE block through the records: the router's gate as a projection, the router record's top-k, each
+    picked expert's matrices as projections over the rows that picked it, then each row's picks weighed and added
+    best first. The GEMV records are row-invariant, so an expert's output for a row is the same bits whichever
+    rows share its call; an expert no row picked is never read (a row reads top_k of the experts' weights)."""
 
     def __init__(self, inner: nn.Module, record, kind: str, projection):
         from tensorfold_contract.serving import ServedCall, call
@@ -75,14 +78,24 @@ class ServedMoe(Served):
         object.__setattr__(self, "route", route)
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.shape[0] == 0:
+            return mx.zeros_like(x)
         experts, weights = self.route(self.served_gate(x))
-        p = self.served_experts
-        each = mx.stack([p["down_proj"][e](swiglu(p["gate_proj"][e](x), p["up_proj"][e](x)))
-                         for e in range(len(p["down_proj"]))])  # [experts, rows, dim]
+        picks = np.array(experts)  # the host learns which experts to run: the one sync of the block
+        p, outs, at = self.served_experts, [], np.zeros(picks.shape, np.int32)
+        start = 0
+        for e in np.unique(picks):
+            rows = np.flatnonzero((picks == e).any(axis=1))
+            xe = x[mx.array(rows)] if len(rows) < x.shape[0] else x
+            outs.append(p["down_proj"][e](swiglu(p["gate_proj"][e](xe), p["up_proj"][e](xe))))
+            slot = np.full(x.shape[0], -1, np.int32)
+            slot[rows] = start + np.arange(len(rows), dtype=np.int32)
+            at = np.where(picks == e, slot[:, None], at)  # where each (row, pick) finds its expert's output
+            start += len(rows)
+        each = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [picked rows of every expert, dim]
         out = None
-        for j in range(experts.shape[-1]):  # best first, one add a pick: a fixed order for every row
-            picked = mx.take_along_axis(each, experts[None, :, j:j + 1], axis=0)[0]
-            term = picked * weights[:, j:j + 1]
+        for j in range(picks.shape[-1]):  # best first, one add a pick: a fixed order for every row
+            term = each[mx.array(at[:, j])] * weights[:, j:j + 1]
             out = term if out is None else out + term
         return out
 

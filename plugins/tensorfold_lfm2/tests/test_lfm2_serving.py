@@ -99,3 +99,22 @@ def test_served_through_its_records_concurrent_replies_equal_the_ones_served_alo
     run.finish()
     for sid, request in enumerate(requests):
         assert run.tokens(sid) == solo(model, serial(request))
+
+
+def test_a_served_moe_block_runs_only_the_experts_its_rows_picked(through_records, monkeypatch):
+    from tensorfold_core.row_kernels import modules
+
+    recorded, builtin, _ = _models("tiny-lfm2-moe", monkeypatch)
+    ours, theirs = recorded.model.layers[-1].feed_forward, builtin.model.layers[-1].feed_forward
+    ran = []
+    launch = modules.RecordLinear.__call__
+
+    def counted(self, x):
+        ran.append((id(self.inner), x.shape[0]))
+        return launch(self, x)
+
+    monkeypatch.setattr(modules.RecordLinear, "__call__", counted)
+    row = (mx.random.normal((1, 256), key=mx.random.key(4)) * 0.5).astype(mx.bfloat16)
+    assert mx.array_equal(ours(row), theirs(row)).item()
+    # the router's gate, then gate, up and down of the two experts the row picked: not all eight
+    assert len(ran) == 1 + 3 * ours.inner.top_k and all(rows == 1 for _, rows in ran)
