@@ -6,8 +6,7 @@ import os
 import subprocess
 import sys
 
-# one request through the engine thread (its compiled swiglu fills that thread's compile cache), then close and
-# leave at once, over a teardown long enough that the engine thread's own exit still runs beside it
+# the request fills the engine thread's compile cache (swiglu); `kept` makes the teardown long enough to meet it
 SERVE_ONE_AND_LEAVE = """
 import sys, threading
 from tensorfold_core.lanes.types import DoneEvent, ErrorEvent, GenerationRequest
