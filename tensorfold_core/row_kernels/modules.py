@@ -84,6 +84,8 @@ class RecordFused:
             bounds.append(bounds[-1] + part.weight.shape[0])
         for part, lo, hi in zip(parts, bounds, bounds[1:]):  # each part's weights become a view of the stack: no twin
             part.update({name: stacked[name][lo:hi] for name in names})
+        # made here, on the loading thread's stream: a lazy view met first by another thread has no stream there
+        mx.eval([part[name] for part in parts for name in names])
         if "scales" in first:
             dims = {"n": bounds[-1], "k": first.weight.shape[1] * 32 // first.bits, "group": first.group_size}
             arrays = {"wq": stacked["weight"], "scales": stacked["scales"], "biases": stacked["biases"]}

@@ -34,5 +34,5 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> lfm2.Model:
     model.dtype = activation_dtype(model.model.embed_tokens)
     if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
         split(model, plan(model), *options.shard, source=str(ckpt.path))
-    model.kernels = serve_kernels(model)
+    model.kernels = serve_kernels(model, gather=options.shard is None)
     return model

@@ -24,6 +24,9 @@ class ExpertMatrix(nn.Module):
                 setattr(self, name, stacked[name][expert])
         if "scales" in stacked:
             self.bits, self.group_size, self.mode = stacked.bits, stacked.group_size, stacked.mode
+        # made now, on the loading thread's stream: a lazy view first met by the engine's thread (an expert first
+        # picked there) has no stream in that thread
+        mx.eval(self.parameters())
 
 
 class ServedConv:
@@ -50,9 +53,11 @@ class ServedMoe(Served):
     """A sparse MoE block through the records: the router's gate as a projection, the router record's top-k, each
     picked expert's matrices as projections over the rows that picked it, then each row's picks weighed and added
     best first. The GEMV records are row-invariant, so an expert's output for a row is the same bits whichever
-    rows share its call; an expert no row picked is never read (a row reads top_k of the experts' weights)."""
+    rows share its call; an expert no row picked is never read (a row reads top_k of the experts' weights). A rank of
+    a group runs every expert over every row instead (`gather=False`): reading the picks would evaluate the
+    forward's sums mid-graph, where the group evaluates them one collective at a time, in order."""
 
-    def __init__(self, inner: nn.Module, record, kind: str, projection):
+    def __init__(self, inner: nn.Module, record, kind: str, projection, gather: bool = True):
         from tensorfold_contract.serving import ServedCall, call
 
         super().__init__()
@@ -76,11 +81,14 @@ class ServedMoe(Served):
         object.__setattr__(self, "served_gate", projection(inner.gate))
         object.__setattr__(self, "served_experts", served)
         object.__setattr__(self, "route", route)
+        object.__setattr__(self, "gather", gather)
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.shape[0] == 0:
             return mx.zeros_like(x)
         experts, weights = self.route(self.served_gate(x))
+        if not self.gather:
+            return self._every_expert(x, experts, weights)
         picks = np.array(experts)  # the host learns which experts to run: the one sync of the block
         p, outs, at = self.served_experts, [], np.zeros(picks.shape, np.int32)
         start = 0
@@ -99,9 +107,20 @@ class ServedMoe(Served):
             out = term if out is None else out + term
         return out
 
+    def _every_expert(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+        p = self.served_experts
+        each = mx.stack([p["down_proj"][e](swiglu(p["gate_proj"][e](x), p["up_proj"][e](x)))
+                         for e in range(len(p["down_proj"]))])  # [experts, rows, dim]
+        out = None
+        for j in range(experts.shape[-1]):  # best first, as the gathered form adds them
+            term = mx.take_along_axis(each, experts[None, :, j:j + 1], axis=0)[0] * weights[:, j:j + 1]
+            out = term if out is None else out + term
+        return out
 
-def serve_kernels(model) -> dict:
-    """Swap the model's row-path modules for the table's records on this backend; what serves each op."""
+
+def serve_kernels(model, gather: bool = True) -> dict:
+    """Swap the model's row-path modules for the table's records on this backend; what serves each op (`gather`:
+    MoE experts over the rows that picked them; False on a group's rank, see ServedMoe)."""
     from .lfm2_moe import SparseMoeBlock
 
     usable, kind, labels = records_served(OPS, records)
@@ -116,7 +135,7 @@ def serve_kernels(model) -> dict:
         if not layer.is_attention_layer and "short conv" in usable:
             layer.conv.served = ServedConv(layer.conv.conv, usable["short conv"], kind)
         if isinstance(layer.feed_forward, SparseMoeBlock) and "moe router" in usable:
-            layer.feed_forward = ServedMoe(layer.feed_forward, usable["moe router"], kind, projection)
+            layer.feed_forward = ServedMoe(layer.feed_forward, usable["moe router"], kind, projection, gather)
     swap_tree(model, projection, norm)
     if model.args.tie_word_embeddings:
         embed = model.model.embed_tokens

@@ -118,3 +118,8 @@ def test_a_served_moe_block_runs_only_the_experts_its_rows_picked(through_record
     assert mx.array_equal(ours(row), theirs(row)).item()
     # the router's gate, then gate, up and down of the two experts the row picked: not all eight
     assert len(ran) == 1 + 3 * ours.inner.top_k and all(rows == 1 for _, rows in ran)
+    # a group's rank runs every expert over every row (no read of the picks mid-forward): the same bits
+    object.__setattr__(ours, "gather", False)
+    ran.clear()
+    rows = (mx.random.normal((9, 256), key=mx.random.key(5)) * 0.5).astype(mx.bfloat16)
+    assert mx.array_equal(ours(rows), theirs(rows)).item() and len(ran) == 1 + 3 * 8
