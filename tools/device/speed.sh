@@ -2,7 +2,10 @@
 # H200 steps for the served kernels' speed and exactness, side by side (docs/gpu.md, "The GPU steps").
 # Usage, from anywhere in the checkout:  tools/device/speed.sh STEP...   (default: bench pair exact contract affine)
 #   bench     the GEMV records against MLX's matmul / quantized_matmul at 1-128 rows (outputs checked before timing)
-#   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first)
+#   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first):
+#             PAIR_MODES (default builtin,table; e.g. table-attention leaves attention to MLX, to attribute time)
+#   launch    a launch's cost in a chain: custom kernels against MLX's own ops (bench/bench_launch.py)
+#   tiles     the bf16 GEMV's tile geometries at 1-128 rows, bit-equal first (bench/bench_gemv_tiles.py)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
 #   contract  the contract for the bf16 GEMV and the window attention;  affine: for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_EXACT=80, CAP_CONTRACT=70, CAP_AFFINE=60),
@@ -34,10 +37,16 @@ for what in "${@:-bench pair exact contract affine}"; do
       pair)
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
           && python3 tools/zoo/inflate.py --preset 0.1b --out /tmp/d01 --no-check > /dev/null \
-          && python3 bench/bench_gpu_pair.py /tmp/b1 /tmp/d01 --json $receipt/pair.json" \
+          && python3 bench/bench_gpu_pair.py /tmp/b1 /tmp/d01 --modes '${PAIR_MODES:-builtin,table}' \
+          --json $receipt/pair.json" \
           step pair "${CAP_PAIR:-110}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/pair.txt" ;;
       exact) OUT=$receipt step exact "${CAP_EXACT:-80}" bash contract/receipts/run_on_h200.sh exact ;;
+      launch|tiles)
+        script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "bench/bench_gemv_tiles.py --seconds 150")
+        OUT=$receipt TF_EXEC="python3 $script --json $receipt/$name.json" \
+          step "$name" "${CAP_TILES:-180}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/$name.txt" ;;
       contract|affine)
         records="--only llama*gemv*bf16 --only llama*window*attention"
         [ "$name" = affine ] && records="--only llama*gemv*q4 --only llama*gemv*q8"
@@ -46,11 +55,11 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, exact, contract, affine)" >&2; exit 2 ;;
+      *) echo "unknown step $name (bench, pair, exact, contract, affine, launch, tiles)" >&2; exit 2 ;;
     esac
   done
 done
 mkdir -p "$out"
 tar czf "$out/receipt.tgz" -C "$receipt" .
-for f in steps.txt gemv.txt pair.txt contract.txt affine.txt; do [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"; done
+for f in steps.txt gemv.txt pair.txt contract.txt affine.txt launch.txt tiles.txt; do [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"; done
 cat "$receipt/steps.txt"
