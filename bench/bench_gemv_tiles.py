@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -22,9 +21,11 @@ import mlx.core as mx
 from tensorfold_contract.gates import _build
 from tensorfold_contract.helpers import groups
 from tensorfold_core.row_kernels import gemv
+from tensorfold_llama.kernels.bench import timed  # the GEMV bench's timing: a median of evals of many launches
 
 SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192), (8192, 8192))  # (N, K): a 1B's q/o, gate/up, down; the bench's
 ROWS = (1, 2, 4, 5, 8, 10, 16, 20, 32, 40, 64, 128)
+REPS, LAUNCHES = 3, 20
 REGISTERS = 160  # geometries whose accumulators and loads would spill are left out
 
 
@@ -57,16 +58,6 @@ def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: 
     return call
 
 
-def timed(fn, reps: int = 3, launches: int = 20) -> float:
-    mx.eval(fn())
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(launches)])
-        samples.append((time.perf_counter() - t0) / launches)
-    return statistics.median(samples)
-
-
 def sweep(args) -> tuple[list[dict], list[str]]:
     cells, failures, start, refused = [], [], time.monotonic(), {}
     warps_list = [int(v) for v in args.warps.split(",")]
@@ -80,7 +71,7 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                 return cells, failures + [f"cut at {args.seconds} s before N={n} K={k} rows {rows}"]
             x = x_all[:rows]
             mx.eval(x)
-            t_mlx = timed(lambda: x @ w.T)
+            t_mlx = timed(lambda: x @ w.T, REPS, LAUNCHES)
             cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.tiles(rows)),
                     "geometries": []}
             for warps in warps_list:
@@ -106,7 +97,7 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                     if not same:
                         failures.append(f"WARPS={warps} {geometry} N={n} K={k} rows {rows}: differs from {own}")
                         continue
-                    t = timed(call)
+                    t = timed(call, REPS, LAUNCHES)
                     cell["geometries"].append({"warps": warps, "maxt": geometry[0], "mt": geometry[1],
                                                "u": geometry[2], "us": round(t * 1e6, 1),
                                                "gbps": round(weight_bytes / t / 1e9, 1)})
