@@ -18,7 +18,7 @@ import httpx
 import openai
 
 from common import (CODE_PROMPTS, MODEL, BenchMismatch, blas_env, check_same_replies, complete, decode_rate,
-                    exit_code, fail_if_any, free_port, median, platform_lines, spread, table, tokenize)
+                    exit_code, fail_if_any, free_port, median, platform_lines, spread, table, tokenize, wait_up)
 
 LAUNCHER = Path(sys.executable).parent / "mlx.launch"  # MLX's own launcher, as users start a group
 
@@ -71,18 +71,9 @@ def serving(ranks: int, flags: list[str], env: dict, timeout: float = 300):
     # a session of its own: the launcher's ranks are stopped with it, and nothing else is
     proc = subprocess.Popen(command, env={**os.environ, **threads(env, ranks)}, stdout=log, stderr=log, text=True,
                             start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}"
     try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited: {log.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("server did not come up")
+        wait_up(proc, log, url, timeout)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -61,6 +61,20 @@ def _exit_on_sigterm(signum, frame):
 signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
+def wait_up(proc: subprocess.Popen, log, url: str, timeout: float) -> None:
+    """Until the server at `url` answers /health with 200; its log's tail if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited: {log.read()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError("server did not start in time")
+
+
 @contextlib.contextmanager
 def server(model: str | None, *flags: str, env: dict | None = None, timeout: float = 300):
     """A fresh server process; yields its base URL and stops it afterwards."""
@@ -70,18 +84,8 @@ def server(model: str | None, *flags: str, env: dict | None = None, timeout: flo
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited: {log.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("server did not start in time")
+        wait_up(proc, log, url, timeout)
         yield url
     finally:
         proc.terminate()
