@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tensorfold_core import hookimpl
-from tensorfold_core.specs import DrafterKind
+from tensorfold_core.specs import DrafterKind, ShippedModel
+
+MODELS = Path(__file__).parent / "models"
+
+SHIPPED = [
+    dict(name="tiny-lfm2-moe-dspark", role="drafter", description="the DSpark drafter of tiny-lfm2-moe"),
+]
 
 
 @hookimpl
 def tensorfold_drafters():
     return [DrafterKind.of_module("dspark", "tensorfold_dspark.drafter", description="DSpark: block drafts from the "
                                   "target's layer taps, Markov and confidence heads")]
+
+
+@hookimpl
+def tensorfold_models():
+    return [ShippedModel(path=MODELS / spec["name"], **spec) for spec in SHIPPED if (MODELS / spec["name"]).is_dir()]
 
 
 @hookimpl
