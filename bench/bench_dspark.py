@@ -1,4 +1,4 @@
-"""tiny-lfm2-moe drafted by tiny-lfm2-moe-dspark against its own plain decode on code prompts, ids checked first."""
+"""tiny-lfm2-moe drafted by tiny-lfm2-moe-dspark against its plain decode on code or random prompts, ids checked first."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import openai
 
 from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, complete, exit_code, fail_if_any, median,
-                    platform_lines, server, spread, table, tokenize)
+                    platform_lines, random_prompts, server, spread, table, tokenize)
 
 TARGET = "tiny-lfm2-moe"
 DRAFTER = "tiny-lfm2-moe-dspark"
@@ -37,7 +37,15 @@ BASELINE = "plain"
 
 
 def sampling(args, i: int) -> dict:
+    if args.workload == "random":  # the adversarial cell: text no drafter has seen, sampled hot
+        return {"temperature": 1.0, "seed": 1000 + i}
     return {"temperature": 0.0, "seed": None} if args.sampling == "greedy" else {"temperature": 0.8, "seed": 100 + i}
+
+
+def workload(args) -> list[list[int]]:
+    if args.workload == "random":
+        return random_prompts(args.prompts or 8, 64, seed=0)
+    return tokenize(CODE_PROMPTS[:args.prompts or len(CODE_PROMPTS)], TARGET)
 
 
 def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
@@ -68,17 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each reply")
     parser.add_argument("--reps", type=int, default=3, help="rounds over every cell, in a rotated order")
-    parser.add_argument("--prompts", type=int, default=len(CODE_PROMPTS), help="how many of the code prompts")
+    parser.add_argument("--workload", default="code", choices=["code", "random"],
+                        help="code: the code prompts; random: 64-id random-token prompts at temperature 1.0, a seed "
+                        "each (the adversarial cell)")
+    parser.add_argument("--prompts", type=int, default=0, help="how many prompts (0: all 11 code prompts, 8 random)")
     parser.add_argument("--streams", default="1", help="comma list of concurrent stream counts")
     parser.add_argument("--sampling", default="greedy", choices=["greedy", "seeded"],
-                        help="greedy, or temperature 0.8 with a seed per prompt")
+                        help="the code prompts: greedy, or temperature 0.8 with a seed per prompt")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--blas", default="openblas-nehalem", help="bundled, openblas, openblas-CORE")
     args = parser.parse_args(argv)
-    prompts = tokenize(CODE_PROMPTS[:args.prompts], TARGET)
+    prompts = workload(args)
     levels = [int(s) for s in args.streams.split(",")]
     print("\n".join(platform_lines(args.blas)))
-    print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} code prompts, {args.tokens} tokens each, {args.sampling}; "
+    how = "random, temperature 1.0, seeded" if args.workload == "random" else f"code, {args.sampling}"
+    print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} prompts ({how}), {args.tokens} tokens each; "
           f"{args.reps} reps; a fresh server per cell, cells in a rotated order")
     runs = {(c.name, n): [] for c in CELLS for n in levels}
     for rep in range(args.reps):
