@@ -40,7 +40,13 @@ def test_the_dashboard_shows_numbers_that_move_while_a_request_runs(served, brow
     running.start()
     page.wait_for_function(f"Number(document.getElementById('rounds').textContent.replace(/,/g, '')) > "
                            f"{rounds_before}", timeout=60_000)
+    # the running stream's own row, with its tokens per second, while it runs
+    page.wait_for_function("[...document.querySelectorAll('#streams tr')].some((row) => "
+                           "Number(row.cells[3].textContent.replace(/,/g, '')) > 0)", timeout=60_000)
     running.join(120)
+    assert page.text_content("#waiting").replace(",", "").isdigit()  # the queue's length
+    hits, _, lookups = page.text_content("#cache").replace(",", "").partition(" of ")
+    assert hits.isdigit() and int(lookups) >= 1  # the prompt cache's hits of its lookups: this request's counted
     assert page.text_content("#error") == ""
     assert "stream_cache" in page.text_content("#ledger") or "kept_state" in page.text_content("#ledger")
     assert page.locator("#positions tr").count() >= 1 and page.locator("#verdicts tr").count() >= 1
