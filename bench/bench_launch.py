@@ -38,7 +38,7 @@ def per_call(step, x, chain: int) -> float:
     return statistics.median(samples)
 
 
-def cells() -> dict:
+def cells(chain: int) -> dict:
     w = (mx.random.normal((D, D), key=mx.random.key(1)) / D ** 0.5).astype(mx.bfloat16)
     norm_w = mx.ones((D,), mx.bfloat16)
     empty = mx.fast.cuda_kernel(name="tf_copy_row", input_names=["x"], output_names=["y"],
@@ -66,7 +66,7 @@ def cells() -> dict:
     out = {}
     for name, step in steps.items():
         try:
-            out[name] = round(per_call(step, x, ARGS.chain) * 1e6, 2)
+            out[name] = round(per_call(step, x, chain) * 1e6, 2)
         except RuntimeError as exc:  # one cell's failure costs that cell alone
             print(f"{name}: {exc}", file=sys.stderr)
     return out
@@ -76,17 +76,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--chain", type=int, default=200)
-    global ARGS
-    ARGS = parser.parse_args()
+    args = parser.parse_args()
     if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
         print("the launch bench times cuda kernels: no CUDA device here", file=sys.stderr)
         return 2
-    results = cells()
+    results = cells(args.chain)
     for name, us in results.items():
-        print(f"{name:<36} {us:8.2f} us a call in a chain of {ARGS.chain}")
-    if ARGS.json:
-        with open(ARGS.json, "w") as f:
-            json.dump({"mlx": mx.__version__, "chain": ARGS.chain, "us_per_call": results}, f, indent=1)
+        print(f"{name:<36} {us:8.2f} us a call in a chain of {args.chain}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mlx": mx.__version__, "chain": args.chain, "us_per_call": results}, f, indent=1)
     return 0
 
 

@@ -87,35 +87,36 @@ class ServedMoe(Served):
         if x.shape[0] == 0:
             return mx.zeros_like(x)
         experts, weights = self.route(self.served_gate(x))
-        if not self.gather:
-            return self._every_expert(x, experts, weights)
-        picks = np.array(experts)  # the host learns which experts to run: the one sync of the block
-        p, outs, at = self.served_experts, [], np.zeros(picks.shape, np.int32)
-        start = 0
-        for e in np.unique(picks):
-            rows = np.flatnonzero((picks == e).any(axis=1))
-            xe = x[mx.array(rows)] if len(rows) < x.shape[0] else x
-            outs.append(p["down_proj"][e](swiglu(p["gate_proj"][e](xe), p["up_proj"][e](xe))))
-            slot = np.full(x.shape[0], -1, np.int32)
-            slot[rows] = start + np.arange(len(rows), dtype=np.int32)
-            at = np.where(picks == e, slot[:, None], at)  # where each (row, pick) finds its expert's output
-            start += len(rows)
-        each = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [picked rows of every expert, dim]
+        each, at = self._gathered(x, experts) if self.gather else self._every_expert(x, experts)
         out = None
-        for j in range(picks.shape[-1]):  # best first, one add a pick: a fixed order for every row
-            term = each[mx.array(at[:, j])] * weights[:, j:j + 1]
+        for j in range(weights.shape[-1]):  # best first, one add a pick: a fixed order for every row
+            term = each[at[:, j]] * weights[:, j:j + 1]
             out = term if out is None else out + term
         return out
 
-    def _every_expert(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+    def _expert(self, e: int, x: mx.array) -> mx.array:
         p = self.served_experts
-        each = mx.stack([p["down_proj"][e](swiglu(p["gate_proj"][e](x), p["up_proj"][e](x)))
-                         for e in range(len(p["down_proj"]))])  # [experts, rows, dim]
-        out = None
-        for j in range(experts.shape[-1]):  # best first, as the gathered form adds them
-            term = mx.take_along_axis(each, experts[None, :, j:j + 1], axis=0)[0] * weights[:, j:j + 1]
-            out = term if out is None else out + term
-        return out
+        return p["down_proj"][e](swiglu(p["gate_proj"][e](x), p["up_proj"][e](x)))
+
+    def _gathered(self, x: mx.array, experts: mx.array) -> tuple[mx.array, mx.array]:
+        """Each picked expert over the rows that picked it: (their outputs, stacked; where each (row, pick) finds
+        its own among them)."""
+        picks = np.array(experts)  # the host learns which experts to run: the one sync of the block
+        outs, at, start = [], np.zeros(picks.shape, np.int32), 0
+        for e in np.unique(picks):
+            rows = np.flatnonzero((picks == e).any(axis=1))
+            outs.append(self._expert(int(e), x[mx.array(rows)] if len(rows) < x.shape[0] else x))
+            hit = picks == e
+            at[hit] = start + np.searchsorted(rows, np.nonzero(hit)[0])
+            start += len(rows)
+        return (outs[0] if len(outs) == 1 else mx.concatenate(outs)), mx.array(at)
+
+    def _every_expert(self, x: mx.array, experts: mx.array) -> tuple[mx.array, mx.array]:
+        """Every expert over every row, with no host read: (their outputs, expert-major; where each (row, pick)
+        finds its own)."""
+        rows = x.shape[0]
+        each = mx.concatenate([self._expert(e, x) for e in range(len(self.served_experts["down_proj"]))])
+        return each, experts.astype(mx.int32) * rows + mx.arange(rows, dtype=mx.int32)[:, None]
 
 
 def serve_kernels(model, gather: bool = True) -> dict:
