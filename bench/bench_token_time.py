@@ -1,0 +1,133 @@
+"""Where a decode token's time goes: the bare forward's graph build, eval and keep, per kernel table mode, ids first."""
+
+# python bench/bench_token_time.py TARGET [--modes builtin,table] [--tokens 96] [--contexts 60,1600] [--json OUT]
+# Each mode runs in a child with TENSORFOLD_KERNELS set (a mode `table-OP+OP` leaves those ops to MLX), and no
+# engine: the target's own forward, one row a step, greedy. Two loops over the same tokens:
+#   sync       build the step's graph, eval its argmax, read the id, keep the row (what a round does today)
+#   pipelined  the next step's graph is built on the last step's lazy argmax while the device runs it (mlx-lm's
+#              loop): its time per token is the larger of the host's and the device's, so sync minus pipelined is
+#              the time the device waits on the host
+# The pipelined ids must equal the sync ids (checked before any time is printed).
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code
+
+
+def context_ids(tokenizer, length: int) -> list[int]:
+    """Code prompts joined until `length` ids (the first prompt alone for a short context)."""
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += tokenizer.encode(CODE_PROMPTS[len(ids) % len(CODE_PROMPTS)])
+    return ids[:length]
+
+
+def sync_loop(model, prompt: list[int], tokens: int) -> dict:
+    import mlx.core as mx
+
+    cache = model.new_cache(len(prompt) + tokens + 8)
+    token = int(mx.argmax(model.forward([cache], [prompt], [1])[-1]).item())
+    model.keep(cache, len(prompt))
+    ids, build, wait, keep = [token], [], [], []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        nxt = mx.argmax(model.forward([cache], [[token]], [1])[-1])
+        t1 = time.perf_counter()
+        mx.eval(nxt)
+        t2 = time.perf_counter()
+        token = int(nxt.item())
+        model.keep(cache, 1)
+        t3 = time.perf_counter()
+        ids.append(token)
+        build.append(t1 - t0), wait.append(t2 - t1), keep.append(t3 - t2)
+    return {"ids": ids, "build_ms": ms(build), "eval_ms": ms(wait), "keep_ms": ms(keep),
+            "token_ms": ms([a + b + c for a, b, c in zip(build, wait, keep)])}
+
+
+def pipelined_loop(model, prompt: list[int], tokens: int) -> dict:
+    import mlx.core as mx
+
+    cache = model.new_cache(len(prompt) + tokens + 8)
+    nxt = mx.argmax(model.forward([cache], [prompt], [1])[-1:], axis=-1).astype(mx.uint32)
+    model.keep(cache, len(prompt))
+    pending = [nxt]
+    start = time.perf_counter()
+    for _ in range(tokens):
+        nxt = mx.argmax(model.forward_ids([cache], nxt, [1], [1], commit=True), axis=-1).astype(mx.uint32)
+        mx.async_eval(nxt)
+        pending.append(nxt)
+    mx.eval(pending)
+    took = time.perf_counter() - start
+    return {"ids": [int(a.item()) for a in pending], "token_ms": 1000 * took / tokens}
+
+
+def ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values)
+
+
+def child(args) -> dict:
+    import mlx.core as mx
+
+    from tensorfold_core.loading import load_target
+    from tensorfold_core.options import ServeOptions
+
+    target = load_target(args.target, ServeOptions(dtype="bfloat16"))
+    model, tokenizer = target.model, target.tokenizer
+    out = {"mode": args.mode, "device": str(mx.default_device()), "kernels": model.kernels, "cells": []}
+    for length in (int(n) for n in args.contexts.split(",")):
+        prompt = context_ids(tokenizer, length)
+        sync_loop(model, prompt, 8), pipelined_loop(model, prompt, 8)  # MLX compiles each kernel on first use
+        sync, piped = sync_loop(model, prompt, args.tokens), pipelined_loop(model, prompt, args.tokens)
+        out["cells"].append({"context": length, "sync": sync, "pipelined": piped})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("--modes", default="builtin,table")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--contexts", default="60,1600", help="comma list of prompt lengths in ids")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    results = []
+    for mode in args.modes.split(","):
+        table, _, builtin_ops = mode.partition("-")
+        env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
+        done = subprocess.run([sys.executable, __file__, "--child", args.target, "--mode", mode, "--tokens",
+                               str(args.tokens), "--contexts", args.contexts], env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    for r in results:
+        for c in r["cells"]:
+            check_same_ids(f"{r['mode']}, context {c['context']}: pipelined vs sync", c["sync"]["ids"],
+                           c["pipelined"]["ids"])
+    print(f"{'mode':<22} {'context':>7} {'build ms':>9} {'eval ms':>8} {'keep ms':>8} {'sync tok/s':>10} "
+          f"{'pipelined tok/s':>15} {'host wait ms':>12}")
+    for r in results:
+        for c in r["cells"]:
+            s, p = c["sync"], c["pipelined"]
+            print(f"{r['mode']:<22} {c['context']:>7} {s['build_ms']:>9.2f} {s['eval_ms']:>8.2f} {s['keep_ms']:>8.2f} "
+                  f"{1000 / s['token_ms']:>10.1f} {1000 / p['token_ms']:>15.1f} {s['token_ms'] - p['token_ms']:>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_code(main))
