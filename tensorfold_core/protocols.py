@@ -121,6 +121,14 @@ class DrafterFacts:
     chances: bool = False  # a `ChanceDrafter`: its drafts' chances price the verify rows, and grants set its holds
     slack: int = 1  # drafts a hold adds past a full grant; a probe after a grant of none holds this many
     hold_rows: int = 0  # block rows one hold pass takes (0: unbounded); a shared round's holds are cut to fit one
+    # a `HoldPricedDrafter`: its hold is a pass of its own (not chain steps), so a timed round keeps a granted hold
+    # only where its expected drafts pay for their verify rows and the pass that `hold_ms` prices
+    hold_costs: bool = False
+    # committed tokens per wall ms of drafted and plain stretches decide whether shared rounds (per band of stream
+    # counts) and lone streams (per sampling mode and context band) draft at all: the depth rule's drafters and copy
+    # drafts have run under both since the guards were written; a drafter may switch either off
+    shared_guard: bool = True
+    lone_guard: bool = True
 
 
 DEPTH_RULE = DrafterFacts()
@@ -158,6 +166,16 @@ class ChanceDrafter(Drafter, Protocol):
     def chances(self, stream_id: int) -> Sequence[float] | None:
         """For the drafts the last `propose` gave this stream, the chance each lands with every draft before it (a
         running product, one per draft); None while that hold has not settled (it still runs on the device)."""
+
+
+@runtime_checkable
+class HoldPricedDrafter(Drafter, Protocol):
+    """A drafter whose `facts.hold_costs` is set (DSpark: a hold runs its layers and the target's head as one pass).
+    Core calls `hold_ms` only where the facts say so."""
+
+    def hold_ms(self, blocks: int, depth: int) -> float:
+        """What a hold pass of `blocks` streams' blocks, the deepest of `depth` drafts, costs in wall ms now (timed
+        after warm-up, moved toward each hold that settles; 0 while untimed)."""
 
 
 class DraftAsk:

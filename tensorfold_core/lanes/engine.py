@@ -8,7 +8,7 @@ import numpy as np
 
 from typing import cast
 
-from ..protocols import DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, Model
+from ..protocols import DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HoldPricedDrafter, Model
 from .copy import CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
@@ -139,7 +139,8 @@ class Engine:
         extra_rows = sum(len(t.window) for t in turns if t.stream.prefilling)
         facts = self.drafter.facts if self.drafter is not None else DEPTH_RULE
         if self.fixed_depth is None:
-            depths = self.planner.plan(asks, extra_rows=extra_rows, facts=facts)
+            hold_ms = cast(HoldPricedDrafter, self.drafter).hold_ms if facts.hold_costs else None
+            depths = self.planner.plan(asks, extra_rows=extra_rows, facts=facts, hold_ms=hold_ms)
         else:
             depths = [min(self.fixed_depth, ask.max_depth) for ask in asks]
         drafting = []

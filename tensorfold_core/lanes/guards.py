@@ -9,6 +9,7 @@ from typing import Callable, Hashable, Sequence
 
 from ..protocols import DEPTH_RULE, DrafterFacts
 from .grants import GrantLane, Held, fit_one_pass, grants
+from .holds import HoldOffer, keep_holds
 from .pricing import PRIOR_ACCEPTANCE, Acceptance, Costs, lone_depth, shared_depths
 
 FIRST_GAP = 64  # plain rounds a stream stands aside before its first probe
@@ -378,32 +379,37 @@ class DraftPlanner:
         lane = self._lanes.get((stream_id, False))
         return lane is not None and lane.aside.probing
 
-    def _drafted(self, asks: Sequence[Ask]) -> bool:
+    def _drafted(self, asks: Sequence[Ask], facts: DrafterFacts) -> bool:
         if not self.timed:  # an untimed engine never consults the guards
             return True
         if len(asks) >= 2:
-            return self.shared.drafted(len(asks))
-        if len(asks) == 1 and not asks[0].copy:  # copy drafts cost no steps: the depth rule alone prices them
+            return self.shared.drafted(len(asks)) if facts.shared_guard else True
+        if len(asks) == 1 and not asks[0].copy and facts.lone_guard:  # copy drafts cost no steps: the rule prices them
             ask = asks[0]
             return self.lone.drafted(ask.stream_id, LoneGuard.band(ask.greedy, ask.context))
         return True
 
-    def plan(self, asks: Sequence[Ask], extra_rows: int = 0, facts: DrafterFacts = DEPTH_RULE) -> list[int]:
+    def plan(self, asks: Sequence[Ask], extra_rows: int = 0, facts: DrafterFacts = DEPTH_RULE,
+             hold_ms: Callable[[int, int], float] | None = None) -> list[int]:
         """Before proposing: each ask's depth for the next round (`extra_rows`: its rows without drafts). Where the
-        drafter's facts give chances, a drafter ask's depth is its hold's: the last grant's, with slack."""
+        drafter's facts give chances, a drafter ask's depth is its hold's: the last grant's, with slack; where they
+        price the hold (`hold_ms`), a timed round keeps a hold only where it pays for its pass."""
         start = self._now()
         lanes = [self._lane(a.stream_id, a.copy) for a in asks]
         granting = [facts.chances and not a.copy for a in asks]
-        drafted = self._drafted(asks)
+        drafted = self._drafted(asks, facts)
         depths, consulted, first = [0] * len(asks), [False] * len(asks), [False] * len(asks)
         if drafted:
             priced = self._priced(asks, lanes, granting, extra_rows)
+            holds = [min(self._grant(a.stream_id).next_hold(facts.slack), a.max_depth) if g else 0
+                     for a, g in zip(asks, granting)]
+            if facts.hold_costs and hold_ms is not None and self.timed:
+                holds = self._paying_holds(asks, lanes, granting, holds, priced, extra_rows, hold_ms)
             for i, (ask, lane) in enumerate(zip(asks, lanes)):
                 if ask.max_depth <= 0:
                     continue
                 if granting[i]:  # a probe after a grant of none holds the slack
-                    grant = self._grant(ask.stream_id)
-                    hold, probe, first[i] = grant.next_hold(facts.slack), facts.slack, grant.granted is None
+                    hold, probe, first[i] = holds[i], facts.slack, self._grant(ask.stream_id).granted is None
                 else:  # a probe drafts what a new stream would: the depth the prior prices, at least one
                     hold = priced[i]
                     probe = max(1, lone_depth(self._new_prior(ask.copy), self.costs, ask.max_depth, not ask.copy))
@@ -438,6 +444,28 @@ class DraftPlanner:
             priced[i] = depth
         return priced
 
+    def _paying_holds(self, asks: Sequence[Ask], lanes: Sequence[_Lane], granting: Sequence[bool],
+                      holds: Sequence[int], priced: Sequence[int], extra_rows: int,
+                      hold_ms: Callable[[int, int], float]) -> list[int]:
+        """The granted holds that pay for their verify rows and the hold pass; a drafted stretch's first hold and an
+        armed probe measure, so they are kept unpriced (a hold left out stands its stream aside until a probe)."""
+        rows, tokens, offers = len(asks) + extra_rows, float(len(asks)), []
+        for ask, lane, grant, hold, depth in zip(asks, lanes, granting, holds, priced):
+            if not grant:
+                rows, tokens = rows + depth, tokens + sum(lane.acceptance.reach(depth))
+                offers.append(None)
+                continue
+            held = self._grant(ask.stream_id)
+            chances = held.last_settled(hold) or lane.acceptance.reach(hold)
+            offers.append(HoldOffer(hold, sum(chances), held.granted is None or lane.aside.probing))
+        kept = keep_holds(offers, self._round_ms(len(asks)), rows, tokens, hold_ms)
+        return [hold if keep else 0 for hold, keep in zip(holds, kept)]
+
+    def _round_ms(self, streams: int) -> Callable[[int], float]:
+        """A round's verify time by its rows: the band's line of shared rounds where timed, else the lone line."""
+        line = self.shared_costs.get(SharedGuard.band(streams)) if streams >= 2 else None
+        return (line if line is not None and line.timed else self.costs).round_ms
+
     def _grant(self, stream_id: int) -> GrantLane:
         grant = self._grants.get(stream_id)
         if grant is None:
@@ -467,9 +495,7 @@ class DraftPlanner:
             at.append(i)
             chances.append(list(priced)[:h.drafts])
             first.append(done.first[i] if i < len(done.first) else False)
-        line = self.shared_costs.get(SharedGuard.band(len(done.asks))) if len(done.asks) >= 2 else None
-        round_ms = (line if line is not None and line.timed else self.costs).round_ms
-        granted = grants(chances, first, round_ms, rows, tokens)
+        granted = grants(chances, first, self._round_ms(len(done.asks)), rows, tokens)
         out = [0] * len(held)
         for i, g in zip(at, granted):
             out[i] = g

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import traceback
 from typing import Sequence, cast
 
@@ -11,6 +12,7 @@ import mlx.core as mx
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
+from tensorfold_core.lanes.holds import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, DrafterFacts, Model as TargetModel, TappedModel
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
@@ -23,6 +25,7 @@ CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood asi
 WARM_UP_ID = -1  # a stream id no lane core hands out
 HOLD_ROWS = 32  # block rows one hold pass takes: a shared round's holds are cut to fit one
 SLACK = 1  # drafts a hold adds past a full grant, and a probe's hold after a grant of none (the seed's draft_slack)
+TIMING_REPEATS = 3  # each warm-up hold pass is timed this many times and its best kept (a preempted one reads long)
 
 
 # ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----
@@ -73,7 +76,11 @@ class DSparkDrafter:
         self.lanes: dict[int, Lane] = {}  # live streams' lanes
         self.kept: list[Lane] = []  # released lanes, oldest first, adopted by a stream sharing their prefix
         # with a confidence head the lane core grants verify rows by the drafts' chances; without one, the depth rule
-        self.facts = DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS) if args.confidence else DEPTH_RULE
+        # and its hold, a pass of its own, is priced by the holds timed below (the depth rule prices chain steps)
+        self.facts = (DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS, hold_costs=True,
+                                   shared_guard=True, lone_guard=True) if args.confidence else DEPTH_RULE)
+        self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
+        self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
         self.stats = dict(holds=0, absorbed=0, lane_reuses=0)
 
@@ -127,6 +134,10 @@ class DSparkDrafter:
             raise
         return rows
 
+    def hold_ms(self, blocks: int, depth: int) -> float:
+        """The hold pass's price in wall ms (0 until `time_holds` ran)."""
+        return self.holds.ms(blocks, depth)
+
     def chances(self, stream_id: int) -> list[float] | None:
         """The running products of the confidences of the drafts the last hold gave the stream (a hold here settles
         before `propose` returns, its drafts read back, so these are never pending); None where it held none."""
@@ -142,12 +153,17 @@ class DSparkDrafter:
             return drafts
         work.sort(key=lambda w: -w[2])  # deepest first: each Markov step's streams are a prefix of the last's
         lanes = [lane for _, lane, _, _ in work]
+        start = time.perf_counter()
         try:
             self._absorb([(lane, bound) for _, lane, _, bound in work])
             steps, flags, chances = self._hold([asks[i].tokens for i, _, _, _ in work], lanes, [w[2] for w in work])
         except Exception:
             self._drop(lanes)
             raise
+        # the hold settled (its drafts read back): its wall time, the verified rows it absorbed included, teaches
+        # the price of passes like it, so the price follows the contexts served
+        self.last_hold = (len(work), work[0][2], (time.perf_counter() - start) * 1000.0)
+        self.holds.settle(*self.last_hold)
         self.stats["holds"] += 1
         for j, (i, _, depth, _) in enumerate(work):
             chain = [steps[s][j] for s in range(depth)]
@@ -274,6 +290,27 @@ class DSparkDrafter:
             self._chances.pop(WARM_UP_ID, None)
         self.stats = dict.fromkeys(self.stats, 0)
 
+    def time_holds(self, repeats: int = TIMING_REPEATS) -> None:
+        """Time hold passes of each of HOLD_BLOCKS blocks at each of HOLD_DEPTHS drafts (fewer where the blocks
+        would pass one hold pass), on lanes of no context, the best of `repeats`; they price every hold from now."""
+        timed = HoldCosts()
+        ids = [WARM_UP_ID - i for i in range(max(HOLD_BLOCKS))]
+        try:
+            for blocks in HOLD_BLOCKS:
+                for depth in sorted({min(d, self.block_size, max(1, HOLD_ROWS // blocks)) for d in HOLD_DEPTHS}):
+                    asks = [DraftAsk(i, [0, 0], depth, limit=GROW_STEP) for i in ids[:blocks]]
+                    times = []
+                    for _ in range(repeats):
+                        self.propose(asks)
+                        times.append(self.last_hold[2])
+                    timed.time(blocks, depth, min(times))
+        finally:
+            for i in ids:
+                self.lanes.pop(i, None)
+                self._chances.pop(i, None)
+        self.holds = timed
+        self.stats = dict.fromkeys(self.stats, 0)
+
     def close(self) -> None:
         """Drop every lane, live or kept, stop the target's taps, and give MLX's cached buffers back."""
         self.lanes.clear()
@@ -298,6 +335,8 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     del model  # the drafter owns the weights from here: freeing it frees them
     try:
         drafter.warm_up()
+        if drafter.facts.hold_costs:
+            drafter.time_holds()
     except Exception as exc:
         drafter.close()
         del drafter
