@@ -73,8 +73,10 @@ class Host:
         prompt_cache = PromptCache(self.ledger, int(options.prompt_cache_gib * GIB))
         self.admission = Admission(model, self.ledger, prompt_cache, drafter, resume=row_invariant,
                                    marks=options.prefill_chunk)
+        # Recall: copies from the kept prompt states' tokens (earlier requests' prompts and replies)
         self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=row_invariant, drafter=drafter,
-                             timed=timed, on_leave=self.admission.leave)
+                             timed=timed, on_leave=self.admission.leave,
+                             recall=lambda: [kept.tokens for kept in prompt_cache.entries.values()])
         memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
                   "prompt_cache_resumes": row_invariant}
         # worked out at load: MLX and the plugin registry are touched only by the loading and engine threads

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..protocols import DraftAsk
 
 NGRAMS = (4, 3, 2)  # longest first: a longer match predicts its continuation better
 MAX_SILENCE = 32
+MAX_RECALLED = 64  # kept states Recall searches, newest first: past them a match is more likely chance than kin
+CONTEXT, RECALL = "context", "recall"  # where a copy comes from: the stream's own context, or a kept prompt state
 
 
 @dataclass
@@ -38,13 +40,49 @@ class CopyIndex:
         return []
 
 
+class Recall:
+    """Copies from kept prompt states: where the context's last 4, 3 or 2 tokens occur in a kept state's tokens
+    (an earlier request's prompt and reply), their continuation there; longest match first, then the newest state."""
+
+    def __init__(self, kept: Callable[[], Iterable[Sequence[int]]]):
+        self.kept = kept  # the kept states' tokens, oldest first (read on the engine thread, which keeps them)
+        self._indexes: dict[int, tuple[Sequence[int], CopyIndex]] = {}  # by id of a kept token sequence
+
+    def _refresh(self) -> list[tuple[Sequence[int], CopyIndex]]:
+        states = list(self.kept())[-MAX_RECALLED:]
+        live = {id(tokens): tokens for tokens in states}
+        for key in [k for k in self._indexes if k not in live]:
+            del self._indexes[key]
+        for key, tokens in live.items():
+            if key not in self._indexes:  # a kept state's tokens never change: each is indexed once
+                index = CopyIndex()
+                index.update(tokens)
+                self._indexes[key] = (tokens, index)
+        return [self._indexes[id(tokens)] for tokens in reversed(states)]
+
+    def lookup(self, tokens: Sequence[int], depth: int) -> list[int]:
+        indexes = self._refresh()
+        for n in NGRAMS:
+            if len(tokens) < n:
+                continue
+            key = (n, tuple(tokens[-n:]))
+            for kept, index in indexes:
+                end = index.last_end.get(key)
+                if end is not None:
+                    return list(kept[end:end + depth])
+        return []
+
+
 class CopyProposer:
-    """Prompt lookup over each stream's own context; silent for a while after rejected rounds."""
+    """Prompt lookup over each stream's own context, then Recall over kept prompt states; silent for a while after
+    rejected rounds."""
 
     name = "copy"
 
-    def __init__(self):
+    def __init__(self, recall: Callable[[], Iterable[Sequence[int]]] | None = None):
         self.indexes: dict[int, CopyIndex] = {}
+        self.recall = Recall(recall) if recall is not None else None
+        self.sources: dict[int, str] = {}  # each stream's last copy's source
 
     def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
         out = []
@@ -55,8 +93,15 @@ class CopyProposer:
                 index.silent_rounds -= 1
                 out.append([])
                 continue
-            out.append(index.lookup(ask.tokens, ask.depth) if ask.depth > 0 else [])
+            copy, self.sources[ask.stream_id] = (index.lookup(ask.tokens, ask.depth) if ask.depth > 0 else []), CONTEXT
+            if not copy and ask.depth > 0 and self.recall is not None:
+                copy, self.sources[ask.stream_id] = self.recall.lookup(ask.tokens, ask.depth), RECALL
+            out.append(copy)
         return out
+
+    def source(self, stream_id: int) -> str:
+        """Where the stream's last copy came from (CONTEXT or RECALL)."""
+        return self.sources.get(stream_id, CONTEXT)
 
     def observe(self, stream_id: int, offered: int, accepted: int) -> None:
         """After a verified round: a rejected copy silences the proposer, longer after each miss."""
@@ -71,3 +116,4 @@ class CopyProposer:
 
     def release(self, stream_id: int) -> None:
         self.indexes.pop(stream_id, None)
+        self.sources.pop(stream_id, None)

@@ -9,7 +9,7 @@ import numpy as np
 from typing import cast
 
 from ..protocols import DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HoldPricedDrafter, Model
-from .copy import CopyProposer
+from .copy import RECALL, CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
 from .rows import RowStage
@@ -41,12 +41,13 @@ class Engine:
 
     def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
                  drafter: Drafter | None = None, max_depth: int = MAX_DRAFT_DEPTH, timed: bool = False,
-                 fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None):
+                 fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None, recall=None):
         self.model = model
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
         self.shared_rounds = shared_rounds
-        self.copy = CopyProposer()
+        # `recall`: the kept prompt states' tokens, for copies from earlier requests (None: own contexts only)
+        self.copy = CopyProposer(recall)
         self.drafter = drafter
         self.max_depth = max_depth
         # untimed (tests, check mode) the depths follow acceptance alone; a server prices by measured costs
@@ -134,7 +135,7 @@ class Engine:
         copies = self.copy.propose([DraftAsk(t.stream.id, t.stream.tokens, room if self.copy_drafts else 0)
                                     for t, room in zip(self._asked, rooms)])
         asks = [Ask(t.stream.id, len(copy) or (room if self.drafter is not None else 0), len(t.stream.tokens),
-                    t.stream.request.sampling.greedy, copy=bool(copy))
+                    t.stream.request.sampling.greedy, copy=bool(copy), source=self.copy.source(t.stream.id))
                 for t, room, copy in zip(self._asked, rooms, copies)]
         extra_rows = sum(len(t.window) for t in turns if t.stream.prefilling)
         facts = self.drafter.facts if self.drafter is not None else DEPTH_RULE
@@ -145,8 +146,8 @@ class Engine:
             depths = [min(self.fixed_depth, ask.max_depth) for ask in asks]
         drafting = []
         for turn, ask, copy, depth in zip(self._asked, asks, copies, depths):
-            if depth > 0 and ask.copy:
-                turn.drafts, turn.source = copy[:depth], "copy"
+            if depth > 0 and ask.copy:  # copies first: a stream with one ahead asks no hold this round
+                turn.drafts, turn.source = copy[:depth], "recall" if ask.source == RECALL else "copy"
             elif depth > 0:
                 drafting.append((turn, depth))
         if drafting:
@@ -238,7 +239,7 @@ class Engine:
         stats.drafted += len(turn.drafts)
         stats.accepted += accepted
         self.counters.window(len(turn.drafts), accepted)
-        if turn.source == "copy":
+        if turn.source in ("copy", "recall"):
             self.copy.observe(turn.stream.id, len(turn.drafts), accepted)
 
     def _forget(self, stream: Stream, kept: bool = True) -> None:

@@ -302,6 +302,12 @@ class Ask:
     context: int  # tokens in its context: the lone guard's band
     greedy: bool = True  # greedy and sampled streams land drafts differently, so their verdicts are kept apart
     copy: bool = False  # copy drafts cost no drafter steps and keep an acceptance of their own
+    source: str = "context"  # a copy's source: the stream's own context, or "recall" (kept prompt states)
+
+    @property
+    def kind(self) -> str:
+        """The draft kind a stream keeps one acceptance for: its drafter's (""), or a copy's source."""
+        return self.source if self.copy else ""
 
 
 @dataclass(frozen=True)
@@ -355,19 +361,20 @@ class DraftPlanner:
         self._prior = Acceptance(prior)
         # what drafter drafts have landed lately, over every stream: a new stream's first guess at its own
         self._landed = Acceptance(prior, half_life=PRIOR_HALF_LIFE)
-        self._lanes: dict[tuple[int, bool], _Lane] = {}
+        self._lanes: dict[tuple[int, str], _Lane] = {}
         self._grants: dict[int, GrantLane] = {}  # streams whose drafter gives chances: their grants
         self._round: _Round | None = None
 
     def _now(self) -> float | None:
         return self._clock() * 1000.0 if self.timed else None
 
-    def _lane(self, stream_id: int, copy: bool) -> _Lane:
-        """A stream's acceptance and stand-aside for one kind of draft."""
-        key = (stream_id, copy)
+    def _lane(self, stream_id: int, kind: str) -> _Lane:
+        """A stream's acceptance and stand-aside for one kind of draft: its own history prices its copy windows, by
+        source, as it prices its drafter's ("" below; a source's copies break where another's hold)."""
+        key = (stream_id, kind)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = _Lane(Acceptance(self._new_prior(copy).prior))
+            lane = self._lanes[key] = _Lane(Acceptance(self._new_prior(bool(kind)).prior))
         return lane
 
     def _new_prior(self, copy: bool) -> Acceptance:
@@ -376,7 +383,7 @@ class DraftPlanner:
 
     def probing(self, stream_id: int) -> bool:
         """Whether the stream's drafter drafts this round are a probe (it stood aside, and drafts to test)."""
-        lane = self._lanes.get((stream_id, False))
+        lane = self._lanes.get((stream_id, ""))
         return lane is not None and lane.aside.probing
 
     def _drafted(self, asks: Sequence[Ask], facts: DrafterFacts) -> bool:
@@ -395,7 +402,7 @@ class DraftPlanner:
         drafter's facts give chances, a drafter ask's depth is its hold's: the last grant's, with slack; where they
         price the hold (`hold_ms`), a timed round keeps a hold only where it pays for its pass."""
         start = self._now()
-        lanes = [self._lane(a.stream_id, a.copy) for a in asks]
+        lanes = [self._lane(a.stream_id, a.kind) for a in asks]
         granting = [facts.chances and not a.copy for a in asks]
         drafted = self._drafted(asks, facts)
         depths, consulted, first = [0] * len(asks), [False] * len(asks), [False] * len(asks)
@@ -483,7 +490,7 @@ class DraftPlanner:
         for i, (ask, h, other) in enumerate(zip(done.asks, held, other_drafts)):
             if h is None:
                 rows += other
-                tokens += sum(self._lane(ask.stream_id, ask.copy).acceptance.reach(other))
+                tokens += sum(self._lane(ask.stream_id, ask.kind).acceptance.reach(other))
                 continue
             grant = self._grant(ask.stream_id)
             if h.chances is not None:
@@ -491,7 +498,7 @@ class DraftPlanner:
             # a hold still running is priced by its lane's last settled confidences, else by its acceptance
             priced = h.chances if h.chances is not None else grant.last_settled(h.drafts)
             if priced is None:
-                priced = self._lane(ask.stream_id, False).acceptance.reach(h.drafts)
+                priced = self._lane(ask.stream_id, "").acceptance.reach(h.drafts)
             at.append(i)
             chances.append(list(priced)[:h.drafts])
             first.append(done.first[i] if i < len(done.first) else False)
@@ -519,7 +526,7 @@ class DraftPlanner:
         if done is None:
             return
         for ask, result, consulted in zip(done.asks, verified, done.consulted):
-            lane = self._lanes.get((ask.stream_id, ask.copy))
+            lane = self._lanes.get((ask.stream_id, ask.kind))
             if lane is None:  # it left during the round
                 continue
             lane.acceptance.observe(result.offered, result.accepted)
@@ -559,6 +566,6 @@ class DraftPlanner:
 
     def leave(self, stream_id: int) -> None:
         """The stream ended: forget its acceptance and stand-aside (its band keeps the lone guard's verdict)."""
-        self._lanes.pop((stream_id, False), None)
-        self._lanes.pop((stream_id, True), None)
+        for key in [key for key in self._lanes if key[0] == stream_id]:
+            del self._lanes[key]
         self._grants.pop(stream_id, None)
