@@ -7,7 +7,8 @@
 #   pipelined  the next step's graph is built on the last step's lazy argmax while the device runs it (mlx-lm's
 #              loop): its time per token is the larger of the host's and the device's, so sync minus pipelined is
 #              the time the device waits on the host
-# The pipelined ids must equal the sync ids (checked before any time is printed).
+# The pipelined ids must equal the sync ids, and a first token resumed from a kept state (the prompt cache's path)
+# must have the cold prefill's logits bit for bit, both checked before any time is printed.
 
 from __future__ import annotations
 
@@ -69,6 +70,33 @@ def pipelined_loop(model, prompt: list[int], tokens: int) -> dict:
     return {"ids": [int(a.item()) for a in pending], "token_ms": 1000 * took / tokens}
 
 
+def first_token(model, prompt: list[int], reps: int = 3) -> dict:
+    """Time to the first token of `prompt` cold (the whole prefill) and resumed from a kept state of all but its
+    last id (the prompt cache's path); the two logits rows must be bit-equal."""
+    import mlx.core as mx
+    import numpy as np
+
+    cold, resumed = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        cache = model.new_cache(len(prompt) + 8)
+        fresh = model.forward([cache], [prompt], [1])[-1]
+        mx.eval(fresh)
+        cold.append(time.perf_counter() - start)
+    cache = model.new_cache(len(prompt) + 8)
+    mx.eval(model.forward([cache], [prompt[:-1]], [1]))
+    model.keep(cache, len(prompt) - 1)
+    state = model.snapshot(cache)
+    for _ in range(reps):
+        start = time.perf_counter()
+        cache = model.restore(state, len(prompt) + 8)
+        again = model.forward([cache], [prompt[-1:]], [1])[-1]
+        mx.eval(again)
+        resumed.append(time.perf_counter() - start)
+    same = bool(np.array_equal(np.array(fresh.astype(mx.float32)), np.array(again.astype(mx.float32))))
+    return {"cold_ms": ms(cold), "resumed_ms": ms(resumed), "bit_equal": same}
+
+
 def ms(values: list[float]) -> float:
     return 1000 * statistics.median(values)
 
@@ -86,7 +114,8 @@ def child(args) -> dict:
         prompt = context_ids(tokenizer, length)
         sync_loop(model, prompt, 8), pipelined_loop(model, prompt, 8)  # MLX compiles each kernel on first use
         sync, piped = sync_loop(model, prompt, args.tokens), pipelined_loop(model, prompt, args.tokens)
-        out["cells"].append({"context": length, "sync": sync, "pipelined": piped})
+        out["cells"].append({"context": length, "sync": sync, "pipelined": piped,
+                             "first_token": first_token(model, prompt)})
     return out
 
 
@@ -119,6 +148,10 @@ def main() -> int:
         for c in r["cells"]:
             check_same_ids(f"{r['mode']}, context {c['context']}: pipelined vs sync", c["sync"]["ids"],
                            c["pipelined"]["ids"])
+    for r in results:
+        for c in r["cells"]:
+            if not c["first_token"]["bit_equal"]:
+                raise BenchMismatch(f"{r['mode']}, context {c['context']}: resumed logits differ from cold ones")
     print(f"{'mode':<22} {'context':>7} {'build ms':>9} {'eval ms':>8} {'keep ms':>8} {'sync tok/s':>10} "
           f"{'pipelined tok/s':>15} {'host wait ms':>12}")
     for r in results:
@@ -126,6 +159,12 @@ def main() -> int:
             s, p = c["sync"], c["pipelined"]
             print(f"{r['mode']:<22} {c['context']:>7} {s['build_ms']:>9.2f} {s['eval_ms']:>8.2f} {s['keep_ms']:>8.2f} "
                   f"{1000 / s['token_ms']:>10.1f} {1000 / p['token_ms']:>15.1f} {s['token_ms'] - p['token_ms']:>12.2f}")
+    print(f"\n{'mode':<22} {'context':>7} {'cold first token ms':>19} {'resumed ms':>10} {'cold/resumed':>12}")
+    for r in results:
+        for c in r["cells"]:
+            f = c["first_token"]
+            print(f"{r['mode']:<22} {c['context']:>7} {f['cold_ms']:>19.2f} {f['resumed_ms']:>10.2f} "
+                  f"{f['cold_ms'] / f['resumed_ms']:>11.1f}x")
     return 0
 
 

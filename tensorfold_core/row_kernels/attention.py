@@ -14,7 +14,8 @@ from .attention_sources import CUDA, METAL
 from tensorfold_contract.helpers import EPS32, WIDEST, mx_dtype, rounded
 
 SPLIT = 256  # keys a split: split s holds the absolute positions s*SPLIT .. s*SPLIT+SPLIT-1, whatever the call
-THREADS = SPLIT  # one thread a key of the split (cuda, metal)
+GROUPS = 4  # splits a block runs side by side (cuda, metal): a long context's splits no longer queue one by one
+THREADS = GROUPS * SPLIT  # one thread a key of each split a block runs
 STALE = 37  # keys the test cache holds past a window's last row: NaN, so a kernel that reads one fails
 VMAX = 2.0  # |v| <= VMAX in the drawn inputs; the tolerance is in units of it
 QSPREAD = 1.0  # q rows scaled by 10^(-QSPREAD..QSPREAD): flat and one-hot softmaxes alike
@@ -26,14 +27,15 @@ def check(q, k, v, offset: int, window: int | None) -> tuple[int, int, int, int,
     if q.ndim != 3:
         raise ValueError(f"window attention takes q as [rows, heads, head_dim], got shape {tuple(q.shape)}")
     rows, heads, dim = q.shape
-    if k.ndim == 4 and k.shape[0] == 1:  # the llama KVCache's [1, kv_heads, capacity, head_dim]
-        k, v = k[0], v[0]
-    if k.ndim != 3 or tuple(k.shape) != tuple(v.shape) or k.shape[2] != dim:
+    ks, vs = tuple(k.shape), tuple(v.shape)  # shapes only: a forward calls this once a layer, so it makes no array
+    if len(ks) == 4 and ks[0] == 1 and vs[:1] == (1,):  # the llama KVCache's [1, kv_heads, capacity, head_dim]
+        ks, vs = ks[1:], vs[1:]
+    if len(ks) != 3 or ks != vs or ks[2] != dim:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [kv_heads, capacity, {dim}]")
-    kv_heads, capacity = k.shape[0], k.shape[1]
+    kv_heads, capacity = ks[0], ks[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} heads are not a multiple of {kv_heads} kv heads")
-    if dim % 32 or THREADS % dim:
+    if dim % 32 or SPLIT % dim:
         raise ValueError(f"head_dim {dim}: the kernels take 32, 64, 128 or 256")
     if offset < 0 or offset + rows > capacity:
         raise ValueError(f"rows at positions {offset}..{offset + rows - 1} do not fit a cache of {capacity} keys")
@@ -98,13 +100,14 @@ def _window_of(a, start: int, stop: int, split: int):
 
 @functools.lru_cache(maxsize=1024)
 def _geometry(rows: int, heads: int, dim: int) -> Launch:
-    """One group of THREADS per (row, head): grid in threads, x the head, y the row."""
+    """One block of THREADS per (row, head): grid in threads, x the head, y the row."""
     import mlx.core as mx
 
     return Launch(grid=(heads * THREADS if rows else 0, rows, 1), threadgroup=(THREADS, 1, 1),
                   output_shapes=((rows, heads, dim),), output_dtypes=(mx.float32,),
-                  template=(("D", dim), ("SPLIT", SPLIT), ("THREADS", THREADS)),
-                  static_shared=4 * (2 * (THREADS // 32) + SPLIT + THREADS))  # wmax, wsum, ew, part
+                  template=(("D", dim), ("SPLIT", SPLIT), ("GROUPS", GROUPS)),
+                  # wmax, wsum, ew, part, smax, ssum and sval, each one a group
+                  static_shared=4 * GROUPS * (2 * (SPLIT // 32) + 2 * SPLIT + 2 + dim))
 
 
 def _kernel_inputs(q, k, v, offset: int, scale: float, window: int | None) -> list:
@@ -129,16 +132,20 @@ _BUILT: dict = {}
 def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int | None):
     import mlx.core as mx
 
-    rows, heads, dim, _, _ = check(q, k, v, offset, window)
+    rows, heads, dim, kv_heads, capacity = check(q, k, v, offset, window)
     if rows == 0:
         return mx.zeros((0, heads, dim), mx.float32)
-    body = CUDA if kind == "cuda" else METAL
-    if kind not in _BUILT:
+    kernel = _BUILT.get(kind)
+    if kernel is None:
+        body = CUDA if kind == "cuda" else METAL
         # named by its text: MLX caches compiled kernels by name, in memory and on disk
         name = f"tf_window_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
         make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
-        _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
-    (out,) = _BUILT[kind](inputs=_kernel_inputs(q, k, v, offset, scale, window), **_launch_arguments(rows, heads, dim))
+        kernel = _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
+    # the cache's [1, kv_heads, capacity, head_dim] buffer goes in as it is: the same memory as _kernel_inputs'
+    # [kv_heads, capacity, head_dim], with no reshape to build on every layer's call
+    dims = mx.array([rows, heads, kv_heads, capacity, offset, window or 0], mx.int32)
+    (out,) = kernel(inputs=[q, k, v, _scale(scale), dims], **_launch_arguments(rows, heads, dim))
     return out
 
 
@@ -239,13 +246,13 @@ def splits_reversed_when_many(case):
 
 
 # The cuda source's planted defects: edits of its text, each on a line it holds once.
-CUDA_DROPPED_LAST_KEY = swap("if (base + tid < lo || base + tid > p) sc = NEG_INF;",
-                             "if (base + tid < lo || base + tid >= p) sc = NEG_INF;")
+CUDA_DROPPED_LAST_KEY = swap("if (base + t < lo || base + t > p) sc = NEG_INF;",
+                             "if (base + t < lo || base + t >= p) sc = NEG_INF;")
 CUDA_WARPS_REVERSED_WHEN_MANY = swap(
-    "for (int w = 1; w < WARPS; ++w) ls += wsum[w];",
-    "if (rows > 1) { ls = wsum[WARPS - 1]; for (int w = WARPS - 2; w >= 0; --w) ls += wsum[w]; }\n"
-    "  else { for (int w = 1; w < WARPS; ++w) ls += wsum[w]; }")
-_VALUE_FMA = "fmaf(ew[j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc)"
+    "for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];",
+    "if (rows > 1) { ls = wsum[g][WARPS - 1]; for (int w = WARPS - 2; w >= 0; --w) ls += wsum[g][w]; }\n"
+    "  else { for (int w = 1; w < WARPS; ++w) ls += wsum[g][w]; }")
+_VALUE_FMA = "fmaf(ew[g][j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc)"
 CUDA_FP16_ACCUMULATOR = swap(f"acc = {_VALUE_FMA};", f"acc = __half2float(__float2half({_VALUE_FMA}));")
 
 NOT_INVARIANT_ON_CUDA = Finding("MLX's matmul is not row-invariant on CUDA (DESIGN §10), and the mlx implementation "

@@ -2,16 +2,18 @@
 
 # Both bodies take q [rows, H, D], the cache's k and v [KV, C, D] (C: the buffer's capacity, which only sets the
 # stride), scale [1] and dims [rows, H, KV, C, offset, window]; out [rows, H, D] is float32. Template constants:
-# D (head dim, a multiple of 32), SPLIT (keys a split) and THREADS (threads a group, SPLIT of them: one per key).
+# D (head dim, a multiple of 32 dividing SPLIT), SPLIT (keys a split, one thread each) and GROUPS (splits a block
+# runs side by side: its threads are GROUPS * SPLIT).
 
 CUDA = """
-// One block per (row, head); thread t owns key t of each split. Row r sits at absolute position p = offset + r and
-// attends keys lo..p (lo = 0, or p - window + 1 under a sliding window). The splits are the fixed key ranges
-// [s*SPLIT, (s+1)*SPLIT) that hold those keys, taken in order: each split's max, sum of exp and weighted value sum
-// in fp32, then folded into the running (M, L, O). Every loop bound and every fold order is a function of p alone,
-// never of the row count or of how many keys the cache holds past p.
-constexpr int WARPS = THREADS / 32;
-constexpr int PARTS = THREADS / D;  // threads sharing one output element in the value sum
+// One block per (row, head): GROUPS groups of SPLIT threads, thread t of a group owning key t of its split. Row r sits
+// at absolute position p = offset + r and attends keys lo..p (lo = 0, or p - window + 1 under a sliding window). The
+// splits are the fixed key ranges [s*SPLIT, (s+1)*SPLIT) that hold those keys, taken GROUPS at a time, group g the
+// g-th of each round: each split's max, sum of exp and weighted value sum in fp32, staged in shared memory, then
+// folded in split order into the running (M, L, O). Every loop bound and every fold order is a function of p alone,
+// never of the row count or of how many keys the cache holds past p; the groups only let splits run side by side.
+constexpr int WARPS = SPLIT / 32;  // warps a group
+constexpr int PARTS = SPLIT / D;  // threads of a group sharing one output element in the value sum
 constexpr int PER = SPLIT / PARTS;  // keys each of them sums
 const int rows = dims[0];
 const int H = dims[1];
@@ -26,20 +28,27 @@ const int kvh = head / (H / KV);
 const int p = offset + row;
 const int lo = window > 0 ? max(0, p - window + 1) : 0;
 const int tid = threadIdx.x;
-const int lane = tid & 31;
-const int warp = tid >> 5;
+const int g = tid / SPLIT;
+const int t = tid % SPLIT;
+const int lane = t & 31;
+const int warp = t >> 5;
 const float NEG_INF = __int_as_float(0xff800000);
-__shared__ float wmax[WARPS];
-__shared__ float wsum[WARPS];
-__shared__ float ew[SPLIT];
-__shared__ float part[THREADS];
+__shared__ float wmax[GROUPS][WARPS];
+__shared__ float wsum[GROUPS][WARPS];
+__shared__ float ew[GROUPS][SPLIT];
+__shared__ float part[GROUPS][SPLIT];
+__shared__ float smax[GROUPS];
+__shared__ float ssum[GROUPS];
+__shared__ float sval[GROUPS][D];
 float qr[D / 32];
 #pragma unroll
 for (int c = 0; c < D / 32; ++c) qr[c] = static_cast<float>(q[((size_t)row * H + head) * D + lane + 32 * c]) * scale[0];
 const size_t kv0 = (size_t)kvh * C;
+const int last = p / SPLIT;
 float M = NEG_INF, L = 0.0f, O = 0.0f;
-for (int s = lo / SPLIT; s <= p / SPLIT; ++s) {
-  const int base = s * SPLIT;
+for (int first = lo / SPLIT; first <= last; first += GROUPS) {
+  // a group past the last split holds no key of the row: it loads nothing, and its result is never folded
+  const int base = (first + g) * SPLIT;
   // scores: warp w takes keys w*32 .. w*32+31 and its lanes split d; all the loads go out before the 32 fixed xor
   // trees; lane i keeps key i's score, -inf outside lo..p (where nothing is loaded: the cache may end there)
   float dots[32];
@@ -62,55 +71,67 @@ for (int s = lo / SPLIT; s <= p / SPLIT; ++s) {
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     if (lane == i) sc = dot;
   }
-  if (base + tid < lo || base + tid > p) sc = NEG_INF;
+  if (base + t < lo || base + t > p) sc = NEG_INF;
   float m = sc;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) wmax[warp] = m;
+  if (lane == 0) wmax[g][warp] = m;
   __syncthreads();
-  float ms = wmax[0];
-  for (int w = 1; w < WARPS; ++w) ms = fmaxf(ms, wmax[w]);
-  const float e = expf(sc - ms);  // a key outside lo..p scores -inf and weighs 0; each split holds one inside
-  ew[tid] = e;
+  float ms = wmax[g][0];
+  for (int w = 1; w < WARPS; ++w) ms = fmaxf(ms, wmax[g][w]);
+  const float e = expf(sc - ms);  // a key outside lo..p scores -inf and weighs 0; each split folded holds one inside
+  ew[g][t] = e;
   float l = e;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-  if (lane == 0) wsum[warp] = l;
+  if (lane == 0) wsum[g][warp] = l;
   __syncthreads();
-  float ls = wsum[0];
-  for (int w = 1; w < WARPS; ++w) ls += wsum[w];
+  float ls = wsum[g][0];
+  for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
   // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones in lo..p only
-  const int d = tid % D;
-  const int j0 = (tid / D) * PER;
+  const int d = t % D;
+  const int j0 = (t / D) * PER;
   float acc = 0.0f;
 #pragma unroll 16
   for (int jj = 0; jj < PER; ++jj) {
     const int j = base + j0 + jj;
-    if (j >= lo && j <= p) acc = fmaf(ew[j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
+    if (j >= lo && j <= p) acc = fmaf(ew[g][j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
   }
-  part[tid] = acc;
+  part[g][t] = acc;
   __syncthreads();
-  const float mn = fmaxf(M, ms);
-  const float alpha = expf(M - mn);
-  const float beta = expf(ms - mn);
-  if (tid < D) {
-    float as = part[tid];
-    for (int i = 1; i < PARTS; ++i) as += part[i * D + tid];
-    O = fmaf(O, alpha, as * beta);
+  if (t < D) {
+    float as = part[g][t];
+    for (int i = 1; i < PARTS; ++i) as += part[g][i * D + t];
+    sval[g][t] = as;
   }
-  L = fmaf(L, alpha, ls * beta);
-  M = mn;
-  __syncthreads();  // wmax, wsum, ew and part are rewritten by the next split
+  if (t == 0) {
+    smax[g] = ms;
+    ssum[g] = ls;
+  }
+  __syncthreads();
+  if (tid < D) {  // the round's splits folded in split order
+    for (int h = 0; h < GROUPS && first + h <= last; ++h) {
+      const float mh = smax[h];
+      const float mn = fmaxf(M, mh);
+      const float alpha = expf(M - mn);
+      const float beta = expf(mh - mn);
+      O = fmaf(O, alpha, sval[h][tid] * beta);
+      L = fmaf(L, alpha, ssum[h] * beta);
+      M = mn;
+    }
+  }
+  __syncthreads();  // every staged array is rewritten by the next round
 }
 if (tid < D) out[((size_t)row * H + head) * D + tid] = O / L;
 """
 
 METAL = """
-// One threadgroup per (row, head), the algorithm of the CUDA source step for step: thread t owns key t of each
-// fixed split [s*SPLIT, (s+1)*SPLIT); scores by simdgroup with a fixed xor tree; split max, sum of exp and weighted
-// value sum in fp32; splits folded in order into (M, L, O). Loop bounds and fold orders depend on p alone.
-constexpr int WARPS = THREADS / 32;
-constexpr int PARTS = THREADS / D;
+// One threadgroup per (row, head), the algorithm of the CUDA source step for step: GROUPS groups of SPLIT threads,
+// thread t of a group owning key t of its split; the fixed splits [s*SPLIT, (s+1)*SPLIT) that hold the row's keys
+// taken GROUPS at a time; scores by simdgroup with a fixed xor tree; split max, sum of exp and weighted value sum in
+// fp32, staged, then folded in split order into (M, L, O). Loop bounds and fold orders depend on p alone.
+constexpr int WARPS = SPLIT / 32;
+constexpr int PARTS = SPLIT / D;
 constexpr int PER = SPLIT / PARTS;
 const int rows = dims[0];
 const int H = dims[1];
@@ -121,12 +142,17 @@ const int window = dims[5];
 const int head = (int)threadgroup_position_in_grid.x;
 const int row = (int)threadgroup_position_in_grid.y;
 const int tid = (int)thread_position_in_threadgroup.x;
+const int g = tid / SPLIT;
+const int t = tid % SPLIT;
 const int lane = (int)thread_index_in_simdgroup;
-const int warp = (int)simdgroup_index_in_threadgroup;
-threadgroup float wmax[WARPS];
-threadgroup float wsum[WARPS];
-threadgroup float ew[SPLIT];
-threadgroup float part[THREADS];
+const int warp = t / 32;
+threadgroup float wmax[GROUPS][WARPS];
+threadgroup float wsum[GROUPS][WARPS];
+threadgroup float ew[GROUPS][SPLIT];
+threadgroup float part[GROUPS][SPLIT];
+threadgroup float smax[GROUPS];
+threadgroup float ssum[GROUPS];
+threadgroup float sval[GROUPS][D];
 if (row >= rows || head >= H) return;
 const int kvh = head / (H / KV);
 const int p = offset + row;
@@ -134,9 +160,10 @@ const int lo = window > 0 ? metal::max(0, p - window + 1) : 0;
 float qr[D / 32];
 for (int c = 0; c < D / 32; ++c) qr[c] = static_cast<float>(q[((size_t)row * H + head) * D + lane + 32 * c]) * scale[0];
 const size_t kv0 = (size_t)kvh * C;
+const int last = p / SPLIT;
 float M = -INFINITY, L = 0.0f, O = 0.0f;
-for (int s = lo / SPLIT; s <= p / SPLIT; ++s) {
-  const int base = s * SPLIT;
+for (int first = lo / SPLIT; first <= last; first += GROUPS) {
+  const int base = (first + g) * SPLIT;
   float dots[32];
   for (int i = 0; i < 32; ++i) {
     const int j = base + warp * 32 + i;
@@ -153,40 +180,51 @@ for (int s = lo / SPLIT; s <= p / SPLIT; ++s) {
     for (ushort o = 16; o > 0; o >>= 1) dot += simd_shuffle_xor(dot, o);
     if (lane == i) sc = dot;
   }
-  if (base + tid < lo || base + tid > p) sc = -INFINITY;
+  if (base + t < lo || base + t > p) sc = -INFINITY;
   float m = sc;
   for (ushort o = 16; o > 0; o >>= 1) m = metal::fmax(m, simd_shuffle_xor(m, o));
-  if (lane == 0) wmax[warp] = m;
+  if (lane == 0) wmax[g][warp] = m;
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float ms = wmax[0];
-  for (int w = 1; w < WARPS; ++w) ms = metal::fmax(ms, wmax[w]);
+  float ms = wmax[g][0];
+  for (int w = 1; w < WARPS; ++w) ms = metal::fmax(ms, wmax[g][w]);
   const float e = metal::precise::exp(sc - ms);
-  ew[tid] = e;
+  ew[g][t] = e;
   float l = e;
   for (ushort o = 16; o > 0; o >>= 1) l += simd_shuffle_xor(l, o);
-  if (lane == 0) wsum[warp] = l;
+  if (lane == 0) wsum[g][warp] = l;
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float ls = wsum[0];
-  for (int w = 1; w < WARPS; ++w) ls += wsum[w];
-  const int d = tid % D;
-  const int j0 = (tid / D) * PER;
+  float ls = wsum[g][0];
+  for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
+  const int d = t % D;
+  const int j0 = (t / D) * PER;
   float acc = 0.0f;
   for (int jj = 0; jj < PER; ++jj) {
     const int j = base + j0 + jj;
-    if (j >= lo && j <= p) acc = metal::fma(ew[j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
+    if (j >= lo && j <= p) acc = metal::fma(ew[g][j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
   }
-  part[tid] = acc;
+  part[g][t] = acc;
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const float mn = metal::fmax(M, ms);
-  const float alpha = metal::precise::exp(M - mn);
-  const float beta = metal::precise::exp(ms - mn);
-  if (tid < D) {
-    float as = part[tid];
-    for (int i = 1; i < PARTS; ++i) as += part[i * D + tid];
-    O = metal::fma(O, alpha, as * beta);
+  if (t < D) {
+    float as = part[g][t];
+    for (int i = 1; i < PARTS; ++i) as += part[g][i * D + t];
+    sval[g][t] = as;
   }
-  L = metal::fma(L, alpha, ls * beta);
-  M = mn;
+  if (t == 0) {
+    smax[g] = ms;
+    ssum[g] = ls;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < D) {
+    for (int h = 0; h < GROUPS && first + h <= last; ++h) {
+      const float mh = smax[h];
+      const float mn = metal::fmax(M, mh);
+      const float alpha = metal::precise::exp(M - mn);
+      const float beta = metal::precise::exp(mh - mn);
+      O = metal::fma(O, alpha, sval[h][tid] * beta);
+      L = metal::fma(L, alpha, ssum[h] * beta);
+      M = mn;
+    }
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 if (tid < D) out[((size_t)row * H + head) * D + tid] = O / L;

@@ -128,7 +128,7 @@ def test_the_metal_source_names_only_thread_attributes_mx_fast_metal_kernel_decl
     code = re.sub(r"//[^\n]*", "", RECORD.implementations["metal"].body)
     used = set(re.findall(r"\b(?:simd|thread)\w*", code))
     assert used == {"thread_position_in_threadgroup", "threadgroup_position_in_grid", "thread_index_in_simdgroup",
-                    "simdgroup_index_in_threadgroup", "simd_shuffle_xor", "threadgroup", "threadgroup_barrier"}
+                    "simd_shuffle_xor", "threadgroup", "threadgroup_barrier"}
 
 
 # The cuda body in a plain kernel of its own (MLX's wrapper needs MLX's device headers; see the next test).
@@ -138,7 +138,7 @@ extern "C" __global__ void attn(const {t}* q, const {t}* k, const {t}* v, const 
                                 float* out) {{
   constexpr int D = {d};
   constexpr int SPLIT = {split};
-  constexpr int THREADS = {threads};
+  constexpr int GROUPS = {groups};
 {body}
 }}
 """
@@ -163,7 +163,7 @@ def test_the_cuda_source_and_its_planted_controls_compile_for_sm90():
                                                                   ("__nv_bfloat16", 128))]
     builds += [(name, "__nv_bfloat16", 64) for name, _ in bodies[1:]]
     texts = {name: body for name, body in bodies}
-    jobs = [_WRAPPER.format(t=t, d=d, split=attention.SPLIT, threads=attention.THREADS, body=texts[name])
+    jobs = [_WRAPPER.format(t=t, d=d, split=attention.SPLIT, groups=attention.GROUPS, body=texts[name])
             for name, t, d in builds]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_nvcc, jobs))
