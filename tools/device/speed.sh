@@ -4,14 +4,17 @@
 #   bench     the GEMV records against MLX's matmul / quantized_matmul at 1-128 rows (outputs checked before timing)
 #   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first):
 #             PAIR_MODES (default builtin,table; e.g. table-attention leaves attention to MLX, to attribute time)
+#   token     a decode token's host build, eval and keep, sync and pipelined, and the first token cold and resumed,
+#             at 60 and 1600 ids of context, per TOKEN_MODES (default builtin,table,table-attention;
+#             bench/bench_token_time.py)
 #   launch    a launch's cost in a chain: custom kernels against MLX's own ops (bench/bench_launch.py)
 #   tiles     the bf16 GEMV's tile geometries at 1-128 rows, bit-equal first (bench/bench_gemv_tiles.py)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
 #   contract  the contract for the bf16 GEMV and the window attention;  affine: for the 4/8-bit GEMVs
-# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_EXACT=80, CAP_CONTRACT=70, CAP_AFFINE=60),
-# so a call ends inside its limit and says which step was cut. Everything lands in one receipt folder, packed as
-# $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site) and, for pair and exact,
-# pydantic and llguidance there (docs/gpu.md). TF_SEED fixes the contract's inputs.
+# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_EXACT=80, CAP_CONTRACT=70,
+# CAP_AFFINE=60), so a call ends inside its limit and says which step was cut. Everything lands in one receipt
+# folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site) and, for
+# pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes the contract's inputs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -41,6 +44,12 @@ for what in "${@:-bench pair exact contract affine}"; do
           --json $receipt/pair.json" \
           step pair "${CAP_PAIR:-110}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/pair.txt" ;;
+      token)
+        OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
+          && python3 bench/bench_token_time.py /tmp/b1 --modes '${TOKEN_MODES:-builtin,table,table-attention}' \
+          --json $receipt/token.json" \
+          step token "${CAP_TOKEN:-150}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/token.txt" ;;
       exact) OUT=$receipt step exact "${CAP_EXACT:-80}" bash contract/receipts/run_on_h200.sh exact ;;
       launch|tiles)
         script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "bench/bench_gemv_tiles.py --seconds 150")
@@ -55,7 +64,7 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, exact, contract, affine, launch, tiles)" >&2; exit 2 ;;
+      *) echo "unknown step $name (bench, pair, token, exact, contract, affine, launch, tiles)" >&2; exit 2 ;;
     esac
   done
 done
