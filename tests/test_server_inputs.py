@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import httpx
@@ -149,3 +150,30 @@ def test_health_answers_while_a_long_prompt_is_being_tokenized(served):
         done.set()
         poller.join()
     assert answered and set(answered) == {200}
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:  # the server runs in this process (the `served` fixture)
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident size from /proc")
+def test_huge_prompts_leave_the_server_s_memory_where_it_was(served):
+    # a 20 MiB text once grew the process to ~3 GiB for good; refused at the door or by its bytes, they cost nothing
+    tokenizer, context = served.host.tokenizer, served.host.context
+    huge = json.dumps({"prompt": "ab " * (20 << 18), "max_tokens": 2}).encode()
+    long_text = "ab " * (context * tokenizer._entry_bytes)
+
+    def hostile_round():
+        response = httpx.post(served.url + "/v1/completions", content=huge,
+                              headers={"Content-Type": "application/json"}, timeout=60)
+        assert response.status_code == 413
+        response = httpx.post(served.url + "/v1/completions", json={"prompt": long_text, "max_tokens": 2},
+                              timeout=60)
+        assert response.status_code == 400
+
+    hostile_round()  # the allocator's first high-water mark
+    before = _resident_mib()
+    for _ in range(4):
+        hostile_round()
+    assert _resident_mib() - before < 128
