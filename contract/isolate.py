@@ -1,9 +1,9 @@
 """Each record in a child process of its own: a crash in MLX or in a kernel fails that step, not the whole run.
 
-The parent spawns `python -m tensorfold_contract --child SPEC` for one record and the steps it still owes (each
-implementation, then each control). The child finds the same record through the installed entry points, runs the
-steps in order and reports on a pipe: each step's start, the gate and shape it is on, each finished gate, each
-finished step. When the child dies (a signal, or an exit before its last step), the step it was on fails with what
+The parent spawns `python -m tensorfold_contract --child SPEC` for one record and the steps it still owes: each
+implementation this device runs, with the controls planted into it, in a child of its own beside the others'. The
+child finds the same record through the installed entry points, runs the steps in order and reports on a pipe:
+each step's start, the gate and shape it is on, each finished gate, each finished step. When the child dies (a signal, or an exit before its last step), the step it was on fails with what
 killed it and where (faulthandler's innermost frame), and a fresh child takes the steps that remain.
 """
 
@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from . import devices, gates
@@ -117,12 +118,39 @@ def _crashed(reg: Registered, step: Step, device: devices.Device, child: _Child,
 
 def run_record_isolated(reg: Registered, index: int, device: devices.Device, seed: int,
                         progress: Callable[[str], None] | None = None) -> KernelResult:
-    """One record's steps in child processes: one child while nothing crashes, a fresh one after each crash."""
+    """One record's steps in child processes: each implementation this device runs, with its controls, in a lane of
+    its own beside the others; in a lane one child while nothing crashes, a fresh one after each crash."""
     result = new_result(reg)
     record = reg.record
     if record is None or not record.shapes:
         return result
     steps = record_steps(record)
+    outcomes: dict = {}
+    lanes = lanes_of(steps, device.runs)
+    with ThreadPoolExecutor(len(lanes)) as pool:  # the threads only wait on their children's pipes
+        for done in pool.map(lambda lane: _run_lane(reg, index, device, seed, lane, progress), lanes):
+            outcomes.update(done)
+    for step in steps:
+        place(result, step, outcomes[step])
+    return result
+
+
+def lanes_of(steps: list[Step], runs: tuple[str, ...]) -> list[list[Step]]:
+    """A record's steps by the implementation they run (its controls with it), in record order; kinds this device
+    cannot run (they meet gate 5 alone) join the first lane."""
+    # a record's slowest implementation sets its time (on CUDA, MLX's own quantized_matmul compiling a kernel a
+    # shape), so the others run beside it rather than after it
+    lanes: dict[str, list[Step]] = {}
+    for step in steps:
+        kind = step.kind if step.kind in runs else steps[0].kind
+        lanes.setdefault(kind, []).append(step)
+    return list(lanes.values())
+
+
+def _run_lane(reg: Registered, index: int, device: devices.Device, seed: int, steps: list[Step],
+              progress: Callable[[str], None] | None) -> dict:
+    """Steps of one record in child processes, in order; each step's outcome."""
+    record = reg.record
     outcomes: dict = {}
     pending = list(steps)
     while pending:
@@ -140,9 +168,7 @@ def run_record_isolated(reg: Registered, index: int, device: devices.Device, see
             break
         outcomes[child.started] = _crashed(reg, child.started, device, child, child.gates)
         pending.remove(child.started)
-    for step in steps:
-        place(result, step, outcomes[step])
-    return result
+    return outcomes
 
 
 def _unstarted(reg: Registered, step: Step, device: devices.Device, why: str):

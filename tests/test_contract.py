@@ -412,3 +412,14 @@ def test_a_gate_that_one_finding_excuses_whole_stops_at_its_first_red_shape_and_
     assert _toy().edges[-1].label not in asked
     narrow = gate_3(Finding("MLX's matmul on CUDA", "mlx", 3, backend="cuda", symptom="cudaGraphAddKernelNode"))
     assert narrow.status == "known" and [label for label, _ in narrow.failures] == [s.label for s in _toy().edges]
+
+
+def test_isolated_lanes_put_each_implementation_this_device_runs_beside_the_others_with_its_controls():
+    from tensorfold_contract.isolate import lanes_of
+    from tensorfold_contract.steps import Step
+
+    steps = [Step("mlx"), Step("cuda"), Step("metal"), Step("mlx", 0), Step("cuda", 1), Step("metal", 2),
+             Step("cuda", 3)]
+    assert lanes_of(steps, ("mlx", "cuda")) == [[Step("mlx"), Step("metal"), Step("mlx", 0), Step("metal", 2)],
+                                                [Step("cuda"), Step("cuda", 1), Step("cuda", 3)]]
+    assert lanes_of(steps, ("mlx",)) == [steps]  # the CPU: one child walks the record in order, as before
