@@ -25,6 +25,9 @@ class LoadOptions:
 
     dtype: str = "auto"  # auto keeps the checkpoint's float dtype; else bfloat16, float16 or float32
     shard: tuple[int, int] | None = None  # (rank, size) in a group: keep that rank's part (the family's shard_plan)
+    # MLX's own op for every row-path op, whatever the family's table says: a drafter's forward, whose drafts the
+    # target verifies, needs no row invariance, and MLX's ops build and run faster than the records on CUDA
+    builtin_kernels: bool = False
 
 
 @dataclass(frozen=True)

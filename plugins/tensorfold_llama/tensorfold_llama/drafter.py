@@ -312,7 +312,9 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     """Load the drafter through the llama loader and warm it up; a failed warm-up frees it and raises DrafterError."""
     name = drafter_ckpt.path.name
     eos_ids = options.eos_ids if options.eos_ids is not None else frozenset(drafter_ckpt.tokenizer().eos_ids)
-    model = load(drafter_ckpt, LoadOptions(dtype=options.dtype))
+    # MLX's own ops, whatever the target serves: the target verifies every draft, so its forward needs no row
+    # invariance (on CUDA the records' path builds and runs a token about twice as slowly, docs/performance.md)
+    model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=True))
     drafter = LlamaDrafter(model, vocab_limit=target.vocab_size, eos_ids=eos_ids, options=options,
                            source=str(drafter_ckpt.path))
     del model  # the drafter owns the weights from here: freeing it frees them

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.families import activation_dtype
+from tensorfold_core.kernels import BUILTIN
 from tensorfold_core.shard import split
 from tensorfold_core.specs import LoadOptions
 from tensorfold_core.weights import fill
 
 from .model import Model, ModelArgs
+from .ops import OPS
 from .serving import serve_kernels
 from .shard import plan
 
@@ -26,5 +28,5 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> Model:
     model.dtype = activation_dtype(model.model.embed_tokens)
     if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
         split(model, plan(model), *options.shard, source=str(ckpt.path))
-    model.kernels = serve_kernels(model)
+    model.kernels = {op: BUILTIN for op in OPS} if options.builtin_kernels else serve_kernels(model)
     return model

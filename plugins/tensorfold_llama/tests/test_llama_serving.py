@@ -76,6 +76,15 @@ def test_served_through_its_records_drafted_and_concurrent_replies_equal_the_pla
         assert run.tokens(sid) == solo(model, serial(request))
 
 
+def test_the_drafter_serves_mlx_s_own_ops_while_its_target_serves_the_records(through_records):
+    model, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    drafter = start_drafter("tiny-llama-drafter", model, tokenizer, DrafterOptions(dtype="bfloat16"))
+    assert model.kernels["projection bf16"] == "llama gemv bf16 (mlx)"
+    assert drafter.model.kernels == {op: BUILTIN for op in OPS}
+    assert isinstance(drafter.model.model.layers[0].mlp.down_proj, nn.Linear) and drafter.model.served_head is None
+    assert drafter.model.model.layers[0].self_attn.attend is None
+
+
 def test_ops_listed_as_built_in_leave_their_records_and_an_unknown_op_is_named(monkeypatch):
     from tensorfold_core.errors import OptionError
     from tensorfold_core.kernels import BUILTIN_OPS_ENV
