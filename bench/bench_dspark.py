@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +18,9 @@ from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, compl
 TARGET = "tiny-lfm2-moe"
 DRAFTER = "tiny-lfm2-moe-dspark"
 WARM_UP = "x = 1\n"  # a prompt no timed request uses, so its kept state helps none of them
+# the long cell's contexts: stdlib modules' own source, cut to fit the target's 2,048 positions with the reply
+LONG_MODULES = ("textwrap", "fractions", "shlex", "calendar", "string", "glob", "bisect", "heapq")
+LONG_TOKENS = 1800
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,9 @@ def sampling(args, i: int) -> dict:
 def workload(args) -> list[list[int]]:
     if args.workload == "random":
         return random_prompts(args.prompts or 8, 64, seed=0)
+    if args.workload == "long":
+        texts = [inspect.getsource(importlib.import_module(m)) for m in LONG_MODULES[:args.prompts or 4]]
+        return [ids[:LONG_TOKENS] for ids in tokenize(texts, TARGET)]
     return tokenize(CODE_PROMPTS[:args.prompts or len(CODE_PROMPTS)], TARGET)
 
 
@@ -76,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each reply")
     parser.add_argument("--reps", type=int, default=3, help="rounds over every cell, in a rotated order")
-    parser.add_argument("--workload", default="code", choices=["code", "random"],
+    parser.add_argument("--workload", default="code", choices=["code", "random", "long"],
                         help="code: the code prompts; random: 64-id random-token prompts at temperature 1.0, a seed "
-                        "each (the adversarial cell)")
-    parser.add_argument("--prompts", type=int, default=0, help="how many prompts (0: all 11 code prompts, 8 random)")
+                        f"each (the adversarial cell); long: {LONG_TOKENS}-token contexts of stdlib source, greedy")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="how many prompts (0: all 11 code prompts, 8 random, 4 long)")
     parser.add_argument("--streams", default="1", help="comma list of concurrent stream counts")
     parser.add_argument("--sampling", default="greedy", choices=["greedy", "seeded"],
                         help="the code prompts: greedy, or temperature 0.8 with a seed per prompt")
@@ -89,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload(args)
     levels = [int(s) for s in args.streams.split(",")]
     print("\n".join(platform_lines(args.blas)))
-    how = "random, temperature 1.0, seeded" if args.workload == "random" else f"code, {args.sampling}"
+    how = {"random": "random, temperature 1.0, seeded", "long": f"long: {LONG_TOKENS}-token stdlib sources, "
+           f"{args.sampling}"}.get(args.workload, f"code, {args.sampling}")
     print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} prompts ({how}), {args.tokens} tokens each; "
           f"{args.reps} reps; a fresh server per cell, cells in a rotated order")
     runs = {(c.name, n): [] for c in CELLS for n in levels}

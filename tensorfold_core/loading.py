@@ -221,7 +221,8 @@ def start_drafter(name: str, target: Model, tokenizer: Tokenizer, options: Draft
                            f"{type(drafter).__name__} has no chances() (ChanceDrafter in tensorfold_core.protocols)")
     if drafter.facts.hold_costs and not hasattr(drafter, "hold_ms"):
         raise DrafterError(f"drafter kind {kind.name}: its facts say its hold is priced, but its "
-                           f"{type(drafter).__name__} has no hold_ms() (HoldPricedDrafter in tensorfold_core.protocols)")
+                           f"{type(drafter).__name__} has no hold_ms() (HoldPricedDrafter in "
+                           "tensorfold_core.protocols)")
     return drafter
 
 

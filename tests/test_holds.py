@@ -7,10 +7,17 @@ import dataclasses
 
 import pytest
 
+from tensorfold_core import hookimpl
+from tensorfold_core.checkpoint import Checkpoint
+from tensorfold_core.errors import DrafterError
 from tensorfold_core.lanes.grants import Held
 from tensorfold_core.lanes.guards import FIRST_GAP, Ask, DraftPlanner, Verified
 from tensorfold_core.lanes.holds import HoldCosts, HoldOffer, keep_holds
+from tensorfold_core.loading import load_model, start_drafter
+from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.protocols import DrafterFacts
+from tensorfold_core.specs import DrafterKind
+from tensorfold_core.testing import tiny_llama_checkpoint
 
 TIMED = {(1, 1): 4.0, (1, 4): 10.0, (2, 1): 8.0, (2, 4): 20.0, (4, 1): 12.0, (4, 4): 32.0, (8, 1): 22.0,
          (8, 4): 64.0, (16, 1): 48.0, (16, 2): 88.0}
@@ -75,7 +82,7 @@ def test_a_shared_round_keeps_holds_most_expected_drafts_a_row_first_and_the_pas
     assert keep_holds(offers, unit_round, 4, 4.0, lambda b, d: 3.0) == [True, True, False, False]
 
 
-def test_a_probe_or_a_stretchs_first_hold_is_kept_whatever_its_pass_costs():
+def test_a_probe_is_kept_whatever_its_pass_costs():
     offers = [HoldOffer(1, 0.01, kept=True), HoldOffer(1, 0.01)]
     assert keep_holds(offers, unit_round, 2, 2.0, lambda b, d: 100.0) == [True, False]
 
@@ -109,14 +116,16 @@ def lone_holds(pass_ms: float, confidence: float, facts: DrafterFacts = PRICED, 
 
 def test_a_timed_planner_keeps_a_granted_hold_only_while_it_pays_for_its_pass():
     dear = lone_holds(50.0, 0.5)
-    assert dear[0] == 2 and dear[1:] == [0] * 11  # the stretch's first hold, then the stream stands aside
+    # the first round is not priced (no round was timed: the line is in units of a plain round), then not even a
+    # stretch's first hold is kept: the stream stands aside
+    assert dear[0] == 2 and dear[1:] == [0] * 11
     assert all(lone_holds(2.0, 0.5))  # a cheap pass: it keeps holding
     assert all(lone_holds(50.0, 0.5, dataclasses.replace(PRICED, hold_costs=False)))  # unpriced: only rows cost
 
 
-def test_a_stream_whose_hold_does_not_pay_probes_after_the_gap_and_the_probe_keeps_its_hold():
+def test_a_hold_that_stops_paying_stands_its_stream_aside_and_its_probe_keeps_its_hold():
     holds = lone_holds(50.0, 0.5, rounds=FIRST_GAP + 3)
-    assert holds[FIRST_GAP + 1] == PRICED.slack  # the first round's hold, then 64 aside, then the probe
+    assert holds[1:FIRST_GAP + 1] == [0] * FIRST_GAP and holds[FIRST_GAP + 1] == PRICED.slack  # 64 aside, a probe
 
 
 def test_an_untimed_planner_never_prices_a_hold():
@@ -138,3 +147,29 @@ def test_the_lone_guard_runs_a_lone_stream_only_where_the_facts_switch_it_on():
         planner = DraftPlanner(clock=Clock())
         planner.lone.drafted = lambda stream, band: False  # the lone guard's verdict: plain
         assert planner.plan([Ask(0, 15, 100)], facts=dataclasses.replace(PRICED, lone_guard=lone_guard)) == [depth]
+
+
+# ---- admission ----
+
+class SaysPriced:
+    """A drafter whose facts price its hold but which has no `hold_ms`."""
+
+    name, facts = "says-priced", PRICED
+    catch_up = propose = release = slot_bytes_for = kept_bytes = shed_kept = close = chances = \
+        staticmethod(lambda *a: 0)
+
+
+class SaysPricedPlugin:
+    @hookimpl
+    def tensorfold_drafters(self):
+        return [DrafterKind(name="says-priced", matches=lambda ckpt: True, admit=lambda *a: None,
+                            start=lambda *a: SaysPriced())]
+
+
+def test_a_drafter_whose_facts_price_its_hold_without_a_hold_ms_method_is_refused_at_start(tmp_path_factory):
+    target = tiny_llama_checkpoint(tmp_path_factory.mktemp("priced-target"), seed=3)
+    path = tiny_llama_checkpoint(tmp_path_factory.mktemp("says-priced"), seed=4)
+    pm = new_plugin_manager(entry_points=False)
+    pm.register(SaysPricedPlugin(), name="says-priced")
+    with pytest.raises(DrafterError, match="its facts say its hold is priced, but its SaysPriced has no hold_ms"):
+        start_drafter(str(path), load_model(str(target))[0], Checkpoint.open(path).tokenizer(), registry=Registry(pm))

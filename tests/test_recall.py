@@ -69,8 +69,9 @@ def model(tmp_path_factory):
 def test_a_repeated_request_recalls_the_earlier_reply_and_its_replies_equal_the_serial_ones(model):
     rng = random.Random(7)
     prompt = [rng.randrange(6, 384) for _ in range(12)]
-    requests = [GenerationRequest(prompt_ids=prompt, max_tokens=24), GenerationRequest(prompt_ids=prompt, max_tokens=24),
-                GenerationRequest(prompt_ids=prompt, max_tokens=24, sampling=SamplingParams(temperature=0.9, seed=3))]
+    greedy = GenerationRequest(prompt_ids=prompt, max_tokens=24)
+    requests = [greedy, greedy, GenerationRequest(prompt_ids=prompt, max_tokens=24,
+                                                  sampling=SamplingParams(temperature=0.9, seed=3))]
     kept, sources, rounds = [], [], []
     for request in requests:
         run = Run(model, 1)

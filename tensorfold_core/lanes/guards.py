@@ -410,7 +410,8 @@ class DraftPlanner:
             priced = self._priced(asks, lanes, granting, extra_rows)
             holds = [min(self._grant(a.stream_id).next_hold(facts.slack), a.max_depth) if g else 0
                      for a, g in zip(asks, granting)]
-            if facts.hold_costs and hold_ms is not None and self.timed:
+            # until a round is timed the line is in units of a plain round, which no pass's ms can be weighed against
+            if facts.hold_costs and hold_ms is not None and self._line(len(asks)).timed:
                 holds = self._paying_holds(asks, lanes, granting, holds, priced, extra_rows, hold_ms)
             for i, (ask, lane) in enumerate(zip(asks, lanes)):
                 if ask.max_depth <= 0:
@@ -454,8 +455,9 @@ class DraftPlanner:
     def _paying_holds(self, asks: Sequence[Ask], lanes: Sequence[_Lane], granting: Sequence[bool],
                       holds: Sequence[int], priced: Sequence[int], extra_rows: int,
                       hold_ms: Callable[[int, int], float]) -> list[int]:
-        """The granted holds that pay for their verify rows and the hold pass; a drafted stretch's first hold and an
-        armed probe measure, so they are kept unpriced (a hold left out stands its stream aside until a probe)."""
+        """The granted holds that pay for their verify rows and the hold pass, a drafted stretch's first one too (each
+        switch of the shared guard to drafting would otherwise buy every stream a pass that lands nothing on text its
+        drafter misses); an armed probe measures, so it is kept unpriced. A hold left out stands its stream aside."""
         rows, tokens, offers = len(asks) + extra_rows, float(len(asks)), []
         for ask, lane, grant, hold, depth in zip(asks, lanes, granting, holds, priced):
             if not grant:
@@ -464,14 +466,14 @@ class DraftPlanner:
                 continue
             held = self._grant(ask.stream_id)
             chances = held.last_settled(hold) or lane.acceptance.reach(hold)
-            offers.append(HoldOffer(hold, sum(chances), held.granted is None or lane.aside.probing))
-        kept = keep_holds(offers, self._round_ms(len(asks)), rows, tokens, hold_ms)
+            offers.append(HoldOffer(hold, sum(chances), lane.aside.probing))
+        kept = keep_holds(offers, self._line(len(asks)).round_ms, rows, tokens, hold_ms)
         return [hold if keep else 0 for hold, keep in zip(holds, kept)]
 
-    def _round_ms(self, streams: int) -> Callable[[int], float]:
-        """A round's verify time by its rows: the band's line of shared rounds where timed, else the lone line."""
+    def _line(self, streams: int) -> Costs:
+        """What times a round's verify rows: the band's line of shared rounds where timed, else the lone line."""
         line = self.shared_costs.get(SharedGuard.band(streams)) if streams >= 2 else None
-        return (line if line is not None and line.timed else self.costs).round_ms
+        return line if line is not None and line.timed else self.costs
 
     def _grant(self, stream_id: int) -> GrantLane:
         grant = self._grants.get(stream_id)
@@ -502,7 +504,7 @@ class DraftPlanner:
             at.append(i)
             chances.append(list(priced)[:h.drafts])
             first.append(done.first[i] if i < len(done.first) else False)
-        granted = grants(chances, first, self._round_ms(len(done.asks)), rows, tokens)
+        granted = grants(chances, first, self._line(len(done.asks)).round_ms, rows, tokens)
         out = [0] * len(held)
         for i, g in zip(at, granted):
             out[i] = g

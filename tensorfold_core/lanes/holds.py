@@ -80,7 +80,7 @@ class HoldOffer:
 
     depth: int
     gain: float
-    kept: bool = False  # a probe, or a drafted stretch's first hold: it measures, so it is not priced
+    kept: bool = False  # a probe: it measures, so it is not priced
 
 
 def keep_holds(offers: Sequence[HoldOffer | None], round_ms: Callable[[int], float], rows: int, tokens: float,

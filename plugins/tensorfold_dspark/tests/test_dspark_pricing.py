@@ -124,5 +124,6 @@ def test_a_hold_that_cannot_pay_for_its_pass_is_not_run_and_the_replies_stay_exa
             == plain[False][0]
     finally:
         drafter.holds = saved
-    # a lone stream's drafted stretch opens with one unpriced hold; then it stands aside (64 rounds before a probe)
+    # a fresh engine's first drafted round holds (no round is timed yet to weigh a pass against); then the stream
+    # stands aside (64 rounds before a probe)
     assert len(holds) > 20 and holds[-1] <= 1
