@@ -41,6 +41,17 @@ def tiles(rows: int) -> tuple[int, int, int]:
     return (1, 2, 1) if rows <= 8 else (2, 2, 1)
 
 
+def shard_sizes(columns: list[tuple[str, int, int]], rows: list[tuple[str, int, int]], bits: int, group: int = 64,
+                ranks: int = 2, served: tuple[tuple[int, int], ...] = ()) -> list[tuple[str, int, int]]:
+    """A group rank's projections (label, n, k) not already `served` (n, k): those split by outputs keep n / ranks,
+    those split by inputs k / ranks (where that keeps whole quantization groups: elsewhere the load refuses it)."""
+    out = [(f"{what}, 1 of {ranks} ranks", n // ranks, k) for what, n, k in columns]
+    out += [(f"{what}, 1 of {ranks} ranks", n, k // ranks) for what, n, k in rows
+            if bits == 16 or (k // ranks) % group == 0]
+    seen = set(served)
+    return [size for size in out if size[1:] not in seen and not seen.add(size[1:])]
+
+
 def make_for(bits: int):
     def make(dims, rows, rng):
         n, k = dims["n"], dims["k"]

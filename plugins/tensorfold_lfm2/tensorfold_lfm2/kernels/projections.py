@@ -20,8 +20,14 @@ def projections(bits: int, group: int = 64) -> tuple[Shape, ...]:
         sizes = [("conv in_proj", 3 * d, d), ("q/out_proj", d, d), ("k/v", kv, d), ("w1/w3", m["ff"], d),
                  ("w2", d, m["ff"])]
         if label == "tiny-lfm2":  # the MoE's experts and router gate (its dense layers share the shapes above)
-            sizes += [("expert gate/up", TINY_MOE_MLP["expert_ff"], d), ("expert down", d, TINY_MOE_MLP["expert_ff"]),
+            expert = TINY_MOE_MLP["expert_ff"]
+            sizes += [("expert gate/up", expert, d), ("expert down", d, expert),
                       ("router gate", TINY_MOE["experts"], d)]
+            # a group's rank (tests/test_group.py): conv in_proj's B, C and x blocks split alike, every expert too
+            columns = [("conv in_proj", 3 * d, d), ("q", d, d), ("k/v", kv, d), ("w1/w3", m["ff"], d),
+                       ("expert gate/up", expert, d)]
+            rows = [("out_proj", d, d), ("w2", d, m["ff"]), ("expert down", d, expert)]
+            sizes += gemv.shard_sizes(columns, rows, bits, group, served=tuple((n, k) for _, n, k in sizes))
         out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, gemv.WIDEST_CALL, heavy)
                 for what, n, k in sizes]
         out.append(Shape(f"{label} head {m['vocab']}x{d}", {"n": m["vocab"], "k": d, **extra}, gemv.WIDEST_CALL, True))

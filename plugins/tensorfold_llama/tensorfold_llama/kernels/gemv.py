@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tensorfold_contract import Shape
-from tensorfold_core.row_kernels.gemv import OUT, WIDEST_CALL, record, source  # noqa: F401 (the bench's names)
+from tensorfold_core.row_kernels.gemv import OUT, WIDEST_CALL, record, shard_sizes, source  # noqa: F401
 
 from .common import LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER
 
@@ -24,6 +24,11 @@ def served(bits: int, group: int = 64) -> tuple[Shape, ...]:
             projections.append(("lm_head", m["vocab"], m["hidden"], True))
         if label == "tiny drafter" or (heavy and label == "1B"):
             projections = projections[2:]  # their MLP shapes (and head); their attention shapes add no new case
+        if label == "tiny":  # a group's rank of the shipped target (tests/test_group.py): its shards' shapes
+            d = m["hidden"]
+            projections += [(what, n, k, False) for what, n, k in shard_sizes(
+                [("q", d, d), ("k/v", kv, d), ("gate/up", m["inter"], d)], [("o", d, d), ("down", d, m["inter"])],
+                bits, group, served=tuple((n, k) for _, n, k, _ in projections))]
         out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, WIDEST_CALL, big)
                 for what, n, k, big in projections]
     return tuple(out)
