@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from group_helpers import HERE, launch, ring_env
 from tensorfold_core.errors import CheckpointError
@@ -46,6 +47,19 @@ def test_a_shard_keeps_half_of_every_split_matrix_and_sizes_caches_per_rank(name
     assert (attention.n_heads, attention.n_kv_heads) == (a.num_attention_heads // 2, a.num_key_value_heads // 2)
     assert attention.k_proj.weight.shape[0] == a.num_key_value_heads // 2 * a.head_dim
     assert half.model.embed_tokens.weight.shape == whole.model.embed_tokens.weight.shape  # replicated
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_projection_a_rank_serves_has_its_shape_gated_by_the_family_s_gemv_record(name):
+    half, _, _ = load_model(name)
+    family = registry().family_for(half.model_type)
+    shard(half, family.shard_plan(half), _two_ranks()[0])
+    weights = [w for key, w in tree_flatten(half.model.parameters()) if re.search(r"(proj|\.w[123])\.weight$", key)]
+    served = {tuple(w.shape[-2:]) for w in weights}  # an expert stack's [experts, n, k] too
+    gemv = next(r for r in registry().kernels()
+                if r.family == family.name.split("_")[0] and r.name.endswith("gemv bf16"))
+    gated = {(shape.dims["n"], shape.dims["k"]) for shape in gemv.shapes}
+    assert served and served <= gated, sorted(served - gated)
 
 
 def test_a_split_projections_halves_add_up_to_the_whole_with_its_bias_added_once_by_rank_0(tmp_path):
