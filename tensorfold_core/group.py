@@ -166,10 +166,11 @@ COMMANDS = {kind.__name__: kind for kind in (Hello, NewCache, Restore, Forward, 
 
 
 def describe_shard(model: Model) -> str:
-    """What every rank's shard must agree on: family, dtype, vocabulary, group size and parameter count per rank."""
-    count = sum(a.size for _, a in tree_flatten(model.parameters()))
+    """What every rank's shard must agree on: family, dtype, vocabulary, group size and the whole model's parameter
+    count (a rank's own may differ from rank 0's where a width splits in whole quantization groups)."""
+    count = getattr(model, "whole_parameters", None) or sum(a.size for _, a in tree_flatten(model.parameters()))
     return (f"{model.model_type} {model.dtype} vocab {model.vocab_size} shards {model.shards} "
-            f"{count} parameters a rank")
+            f"{count} parameters in all")
 
 
 def encode(commands: Sequence) -> bytes:

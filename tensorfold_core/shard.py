@@ -7,6 +7,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .errors import CheckpointError
 from .protocols import Model
@@ -24,6 +25,9 @@ class ShardPlan:
     channels: tuple[str, ...] = ()  # depthwise convs: a channel's kernel moves with the channel
     reduce: tuple[str, ...] = ()  # modules whose outputs are summed over the group (each holds or follows a row split)
     divide: tuple[tuple[str, str], ...] = ()  # (module path, attribute): counts split with the matrices (heads, groups)
+    # (column paths, row path) sharing one inner width (an MLP's or an expert's): cut at the same bounds, evenly
+    # where that keeps the row matrix's quantization groups whole, else in whole groups, the first ranks one more
+    pairs: tuple[tuple[tuple[str, ...], str], ...] = ()
     sizes: dict[str, int] = field(default_factory=dict)  # config key -> value the group size must divide
 
 
@@ -109,6 +113,34 @@ def _split_inputs(module: nn.Module, rank: int, size: int) -> None:
             module[name] = _piece(module[name], -1, rank, size)
 
 
+def width_bounds(width: int, unit: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank`'s [lo, hi) of a width cut into whole units over `size` ranks, the first ones a unit more."""
+    units, left = divmod(width, unit)
+    if left or units < size:
+        raise ValueError(f"{width} is not {size} or more whole groups of {unit}")
+    base, extra = divmod(units, size)
+    lo = (rank * base + min(rank, extra)) * unit
+    return lo, lo + (base + (rank < extra)) * unit
+
+
+def _split_pair(columns: list[nn.Module], row: nn.Module, rank: int, size: int) -> None:
+    group = getattr(row, "group_size", None)
+    width = row["scales"].shape[-1] * group if group is not None else row["weight"].shape[-1]
+    even = width % size == 0 and (group is None or (width // size) % group == 0)
+    lo, hi = width_bounds(width, 1 if even else group or 1, rank, size)
+    for module in columns:  # outputs lo..hi
+        for name in (*QUANTIZED_PARTS, "bias"):
+            if name in module:
+                axis = -1 if name == "bias" else -2
+                module[name] = mx.contiguous(mx.take(module[name], mx.arange(lo, hi), axis=axis))
+    per_input = {"weight": row["weight"].shape[-1] / width}  # packed words (or values) an input takes
+    if group is not None:
+        per_input.update(scales=1 / group, biases=1 / group)
+    for name, rate in per_input.items():  # inputs lo..hi
+        module_lo, module_hi = round(lo * rate), round(hi * rate)
+        row[name] = mx.contiguous(mx.take(row[name], mx.arange(module_lo, module_hi), axis=-1))
+
+
 def _split_channels(module: nn.Module, rank: int, size: int) -> None:
     module["weight"] = _piece(module["weight"], 0, rank, size)
     if "bias" in module:
@@ -143,6 +175,7 @@ def split(model: Model, plan: ShardPlan, rank: int, size: int, source: str = "th
     check_plan(plan, size, source)
     if not isinstance(model, ShardedModel):
         raise CheckpointError(f"{source}: the {model.model_type} family's model has no `shards` to size its caches")
+    model.whole_parameters = sum(a.size for _, a in tree_flatten(model.parameters()))  # what every rank agrees on
     steps = ([(path, _split_outputs, ()) for path in plan.columns]
              + [(path, _split_outputs, (blocks,)) for path, blocks in plan.blocks]
              + [(path, _split_inputs, ()) for path in plan.rows]
@@ -152,7 +185,13 @@ def split(model: Model, plan: ShardPlan, rank: int, size: int, source: str = "th
             cut(_find(model, path), rank, size, *extra)
         except (KeyError, IndexError, ValueError) as exc:
             raise CheckpointError(f"{source}: cannot split {path} over {size} ranks ({exc})") from exc
-    for path in plan.rows:  # a row split's bias is rank 0's alone, so the group's sum adds it once
+    for columns, path in plan.pairs:
+        try:
+            _split_pair([_find(model, column) for column in columns], _find(model, path), rank, size)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise CheckpointError(f"{source}: cannot split {path} over {size} ranks ({exc})") from exc
+    # a row split's bias is rank 0's alone, so the group's sum adds it once
+    for path in (*plan.rows, *(row for _, row in plan.pairs)):
         module = _find(model, path)
         if rank and "bias" in module:
             module["bias"] = mx.zeros_like(module["bias"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 import signal
 import subprocess
 import sys
@@ -23,10 +24,11 @@ from tensorfold_core.group import (EXIT_GROUP_DOWN, Channel, Forward, Free, Hell
 from tensorfold_core.loading import load_model
 from tensorfold_core.memory.ledger import default_budget
 from tensorfold_core.plugins import registry
-from tensorfold_core.shard import shard
+from tensorfold_core.shard import shard, split
 from tensorfold_core.testing import tiny_llama_checkpoint
 
 FAMILIES = ("tiny-llama", "tiny-lfm2", "tiny-lfm2-moe")  # llama, lfm2 (w1/w3/w2 MLPs), lfm2_moe (experts)
+SERVED = (*FAMILIES, "tiny-lfm2-moe-4bit")  # its experts' width splits in whole groups, unevenly: 128 and 64
 
 
 def _two_ranks() -> tuple[object, object]:
@@ -82,11 +84,29 @@ def test_a_split_projections_halves_add_up_to_the_whole_with_its_bias_added_once
     assert mx.allclose(o, full.o_proj(heads), atol=1e-4).item()
 
 
-def test_a_quantized_row_split_that_would_cut_a_quantization_group_is_refused_by_name():
+def test_a_4_bit_expert_width_that_halves_would_cut_splits_in_whole_groups_and_the_parts_add_up_to_the_whole():
+    whole, _, _ = load_model("tiny-lfm2-moe-4bit")
+    halves = [load_model("tiny-lfm2-moe-4bit")[0] for _ in range(2)]
+    for rank, half in enumerate(halves):
+        split(half, registry().family_for(half.model_type).shard_plan(half), rank, 2)
+    at = whole.args.num_dense_layers  # the first MoE layer
+    experts = [m.model.layers[at].feed_forward.switch_mlp for m in (whole, *halves)]
+    # 192 = three groups of 64: rank 0 keeps two, rank 1 one; gate/up keep the same outputs as down's inputs
+    assert [e.down_proj.scales.shape[-1] * e.down_proj.group_size for e in experts] == [192, 128, 64]
+    assert [e.gate_proj.scales.shape[-2] for e in experts] == [192, 128, 64]
+    assert describe_shard(halves[0]) == describe_shard(halves[1])  # the ranks still agree on what they serve
+    x = mx.random.normal((3, whole.args.hidden_size), key=mx.random.key(0)).astype(mx.bfloat16)
+    picks = mx.array([[0, 5], [3, 1], [7, 2]], mx.uint32)
+    parts = [e(x, picks).astype(mx.float32) for e in experts]
+    assert mx.allclose(parts[1] + parts[2], parts[0], atol=0.05 * mx.abs(parts[0]).max().item()).item()
+
+
+def test_a_quantized_width_of_fewer_groups_than_ranks_is_refused_by_name():
     model, _, _ = load_model("tiny-lfm2-moe-4bit")
     plan = registry().family_for(model.model_type).shard_plan(model)
-    with pytest.raises(CheckpointError, match=r"switch_mlp\.down_proj .*not whole groups of 64"):
-        shard(model, plan, _two_ranks()[0])
+    four = SimpleNamespace(rank=lambda: 0, size=lambda: 4)  # 192 inputs are three groups of 64
+    with pytest.raises(CheckpointError, match=r"switch_mlp\.down_proj .*not 4 or more whole groups of 64"):
+        shard(model, replace(plan, sizes={}), four)
 
 
 def test_rank_0s_commands_survive_their_encoding_in_order():
@@ -147,13 +167,13 @@ def test_capabilities_json_shows_the_group_the_launcher_set_up(tmp_path):
 def test_a_group_of_two_replies_alike_drafted_plain_alone_together_and_resumed_greedy_and_seeded(tmp_path, kernels):
     # records: every op with a kernel record is served through it (on the CPU its composed mlx implementation),
     # prepared at the shard's shapes, as a GPU group would serve them
-    ranks = launch([sys.executable, str(HERE.parent / "group_helpers.py"), *FAMILIES], tmp_path,
+    ranks = launch([sys.executable, str(HERE.parent / "group_helpers.py"), *SERVED], tmp_path,
                    env={"TENSORFOLD_KERNELS": kernels}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outs = [rank.communicate(timeout=600) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     lines = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
     served = [line for line in lines if "cases" in line]
-    assert [line["model"] for line in served] == list(FAMILIES)
+    assert [line["model"] for line in served] == list(SERVED)
     for found in served:
         assert found["probe"]["row_invariant"], found["probe"]  # the probe ran on the group
         assert any(label != "mlx" for label in found["kernels"].values()) == (kernels == "records")

@@ -42,12 +42,25 @@ def tiles(rows: int) -> tuple[int, int, int]:
 
 
 def shard_sizes(columns: list[tuple[str, int, int]], rows: list[tuple[str, int, int]], bits: int, group: int = 64,
-                ranks: int = 2, served: tuple[tuple[int, int], ...] = ()) -> list[tuple[str, int, int]]:
+                ranks: int = 2, served: tuple[tuple[int, int], ...] = (),
+                pairs: tuple[tuple[str, str, int, int], ...] = ()) -> list[tuple[str, int, int]]:
     """A group rank's projections (label, n, k) not already `served` (n, k): those split by outputs keep n / ranks,
-    those split by inputs k / ranks (where that keeps whole quantization groups: elsewhere the load refuses it)."""
+    those split by inputs k / ranks (where that keeps whole quantization groups: elsewhere the load refuses it), and
+    each pair (column label, row label, width, d) its ranks' widths as `tensorfold_core.shard` cuts them."""
+    from tensorfold_core.shard import width_bounds
+
     out = [(f"{what}, 1 of {ranks} ranks", n // ranks, k) for what, n, k in columns]
     out += [(f"{what}, 1 of {ranks} ranks", n, k // ranks) for what, n, k in rows
             if bits == 16 or (k // ranks) % group == 0]
+    for column, row, width, d in pairs:
+        even = width % ranks == 0 and (bits == 16 or (width // ranks) % group == 0)
+        try:
+            widths = sorted({hi - lo for lo, hi in (width_bounds(width, 1 if even else group, rank, ranks)
+                                                    for rank in range(ranks))}, reverse=True)
+        except ValueError:  # fewer whole groups than ranks: the load refuses it
+            widths = []
+        out += [(f"{what}, 1 of {ranks} ranks", n, k) for w in widths
+                for what, n, k in ((column, w, d), (row, d, w))]
     seen = set(served)
     return [size for size in out if size[1:] not in seen and not seen.add(size[1:])]
 
@@ -283,10 +296,15 @@ ONE_GROUP_NAN_ON_CUDA = dataclasses.replace(ONE_GROUP_ON_CUDA, symptom="= nan")
 def record(family: str, bits: int, shapes: tuple[Shape, ...]) -> KernelRecord:
     """`family`'s GEMV record for bf16 (bits 16) or affine 4/8-bit weights, proven at the shapes it serves."""
     label = "bf16" if bits == 16 else f"q{bits}"
+    findings = (NOT_INVARIANT_ON_CUDA,)
+    if bits != 16:  # MLX's one-group bug, on the edge and on any served shape of one group (a group rank's)
+        one_group = [shape.label for shape in shapes if shape.dims["k"] == shape.dims["group"]]
+        findings += tuple(dataclasses.replace(finding, gate=gate, case=case)
+                          for finding in (ONE_GROUP_ON_CUDA, ONE_GROUP_NAN_ON_CUDA)
+                          for gate, case in ((3, ONE_GROUP_ON_CUDA.case), *((2, c) for c in one_group)))
     common = dict(family=family, make=make_for(bits), reference=reference_for(bits), shapes=shapes,
                   edges=edges(bits), tolerance=tolerance, row_inputs=("x",), max_rows=WIDEST_CALL,
-                  findings=(NOT_INVARIANT_ON_CUDA,) if bits == 16 else (NOT_INVARIANT_ON_CUDA, ONE_GROUP_ON_CUDA,
-                                                                      ONE_GROUP_NAN_ON_CUDA))
+                  findings=findings)
     cuda = [Control("row-count-dependent reduction order", "cuda", 4, REORDER),
             Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup())]
     if bits == 16:

@@ -10,7 +10,7 @@ from .lfm2_moe import ModelArgs as MoeArgs
 def plan(model) -> ShardPlan:
     """Conv channels (in_proj's B/C/x blocks alike, the depthwise conv), heads, MLP and expert widths; router whole."""
     a = model.args
-    columns, blocks, rows, channels, reduce, divide = [], [], [], [], [], []
+    columns, blocks, rows, channels, reduce, divide, pairs = [], [], [], [], [], [], []
     for i, layer in enumerate(model.model.layers):
         at = f"model.layers.{i}"
         if layer.is_attention_layer:
@@ -27,8 +27,8 @@ def plan(model) -> ShardPlan:
         ff = f"{at}.feed_forward"
         # by the config, not the module's type: the plan is read again after the kernels' swap, for its sums
         if isinstance(a, MoeArgs) and i >= a.num_dense_layers:  # one sum after the weighed experts, not one each
-            columns += split_modules([f"{ff}.switch_mlp"], ("gate_proj", "up_proj"))
-            rows.append(f"{ff}.switch_mlp.down_proj")
+            # a pair: an expert's width cut in whole quantization groups where halves would cut one (4-bit, 192)
+            pairs.append((split_modules([f"{ff}.switch_mlp"], ("gate_proj", "up_proj")), f"{ff}.switch_mlp.down_proj"))
             reduce.append(ff)
             continue
         up, gate, down = ("w1", "w3", "w2") if "w1" in layer.feed_forward else ("gate_proj", "up_proj", "down_proj")
@@ -39,4 +39,4 @@ def plan(model) -> ShardPlan:
     sizes = {"num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
              "hidden_size": a.hidden_size}
     return ShardPlan(columns=tuple(columns), blocks=tuple(blocks), rows=tuple(rows), channels=tuple(channels),
-                     reduce=tuple(reduce), divide=tuple(divide), sizes=sizes)
+                     reduce=tuple(reduce), divide=tuple(divide), sizes=sizes, pairs=tuple(pairs))

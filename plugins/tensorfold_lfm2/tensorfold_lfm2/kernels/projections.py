@@ -24,10 +24,10 @@ def projections(bits: int, group: int = 64) -> tuple[Shape, ...]:
             sizes += [("expert gate/up", expert, d), ("expert down", d, expert),
                       ("router gate", TINY_MOE["experts"], d)]
             # a group's rank (tests/test_group.py): conv in_proj's B, C and x blocks split alike, every expert too
-            columns = [("conv in_proj", 3 * d, d), ("q", d, d), ("k/v", kv, d), ("w1/w3", m["ff"], d),
-                       ("expert gate/up", expert, d)]
-            rows = [("out_proj", d, d), ("w2", d, m["ff"]), ("expert down", d, expert)]
-            sizes += gemv.shard_sizes(columns, rows, bits, group, served=tuple((n, k) for _, n, k in sizes))
+            columns = [("conv in_proj", 3 * d, d), ("q", d, d), ("k/v", kv, d), ("w1/w3", m["ff"], d)]
+            rows = [("out_proj", d, d), ("w2", d, m["ff"])]
+            sizes += gemv.shard_sizes(columns, rows, bits, group, served=tuple((n, k) for _, n, k in sizes),
+                                      pairs=(("expert gate/up", "expert down", expert, d),))
         out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, **extra}, gemv.WIDEST_CALL, heavy)
                 for what, n, k in sizes]
         out.append(Shape(f"{label} head {m['vocab']}x{d}", {"n": m["vocab"], "k": d, **extra}, gemv.WIDEST_CALL, True))
