@@ -3,8 +3,9 @@
 The parent spawns `python -m tensorfold_contract --child SPEC` for one record and the steps it still owes: each
 implementation this device runs, with the controls planted into it, in a child of its own beside the others'. The
 child finds the same record through the installed entry points, runs the steps in order and reports on a pipe:
-each step's start, the gate and shape it is on, each finished gate, each finished step. When the child dies (a signal, or an exit before its last step), the step it was on fails with what
-killed it and where (faulthandler's innermost frame), and a fresh child takes the steps that remain.
+each step's start, the gate and shape it is on, each finished gate, each finished step. When the child dies (a
+signal, or an exit before its last step), the step it was on fails with what killed it and where (faulthandler's
+innermost frame), and a fresh child takes the steps that remain.
 """
 
 from __future__ import annotations
