@@ -129,6 +129,9 @@ class DrafterFacts:
     # drafts have run under both since the guards were written; a drafter may switch either off
     shared_guard: bool = True
     lone_guard: bool = True
+    # most context rows a hold may catch up (0: all it lacks); past it the drafter reads the last rows, with a cut,
+    # as a probe does: a drafter whose absorb costs more a row than a long prompt's drafts land bounds it
+    catch_up: int = 0
 
 
 DEPTH_RULE = DrafterFacts()

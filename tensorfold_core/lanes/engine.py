@@ -153,7 +153,8 @@ class Engine:
         if drafting:
             # a probe's drafts only test whether drafting pays again: its catch-up is bounded, so its cost is too
             asks = [DraftAsk(t.stream.id, t.stream.tokens, d, PROBE_CATCH_UP if self.planner.probing(t.stream.id)
-                             else None, limit=t.stream.limit, cache=t.stream.cache) for t, d in drafting]
+                             else facts.catch_up or None, limit=t.stream.limit, cache=t.stream.cache)
+                    for t, d in drafting]
             self.drafter.catch_up(asks)
             self.planner.caught_up()
             proposals = self.drafter.propose(asks)

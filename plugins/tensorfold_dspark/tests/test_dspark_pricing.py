@@ -3,6 +3,9 @@ replies equal to plain decoding on a timed engine."""
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import pytest
 
 from tensorfold_core.lanes.engine import Engine
@@ -13,7 +16,7 @@ from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import DraftAsk
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import Run, serial
-from tensorfold_dspark.drafter import HOLD_ROWS
+from tensorfold_dspark.drafter import HOLD_CATCH_UP, HOLD_ROWS
 
 NAME, TARGET = "tiny-lfm2-moe-dspark", "tiny-lfm2-moe"
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -65,6 +68,18 @@ def test_the_drafter_times_hold_passes_of_1_to_16_blocks_after_warm_up_and_its_f
     assert sorted({blocks for blocks, _ in points}) == list(HOLD_BLOCKS)
     assert all(blocks * depth <= HOLD_ROWS and ms > 0 for (blocks, depth), ms in points.items())
     assert drafter.hold_ms(1, 1) == points[1, 1]
+    assert facts.catch_up == HOLD_CATCH_UP
+
+
+def test_a_long_prompts_first_hold_catches_up_only_its_last_rows_and_the_reply_stays_exact(pair):
+    target, drafter = pair
+    prompt = target.tokenizer.encode(inspect.getsource(textwrap))[:700]
+    request = GenerationRequest(prompt_ids=prompt, max_tokens=16)
+    absorbed = drafter.stats["absorbed"]
+    reply = drive(target.model, drafter, [request], 1, timed=False)[0]
+    assert reply == drive(target.model, None, [serial(request)], 1, timed=False)[0]
+    # the lane holds the prompt's last rows and the reply's, with a cut: not the 700 rows it lacked
+    assert 0 < drafter.stats["absorbed"] - absorbed <= HOLD_CATCH_UP + 16
 
 
 def test_a_settled_hold_moves_its_price_a_tenth_of_the_way_toward_its_own_time(pair):
