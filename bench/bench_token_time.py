@@ -1,15 +1,18 @@
 """Where a decode token's time goes: the bare forward's graph build, eval and keep, per kernel table mode, ids first."""
 
-# python bench/bench_token_time.py TARGET [--modes builtin,table] [--tokens 96] [--contexts 60,1600] [--json OUT]
+# python bench/bench_token_time.py TARGET [--modes builtin,table] [--tokens 96] [--contexts 60,1600]
+#                                   [--streams 1,4,8] [--json OUT]
 # Each mode runs in a child with TENSORFOLD_KERNELS set (a mode `table-OP+OP` leaves those ops to MLX), and no
-# engine: the target's own forward, one row a step, greedy. Two loops over the same tokens:
+# engine: the target's own forward, one row a stream a step, greedy:
 #   sync       build the step's graph, eval its argmax, read the id, keep the row (what a round does today)
 #   pipelined  the next step's graph is built on the last step's lazy argmax while the device runs it (mlx-lm's
 #              loop): its time per token is the larger of the host's and the device's, so sync minus pipelined is
 #              the time the device waits on the host
-# The pipelined ids must equal the sync ids, and where the load probe passes, a first token resumed from a kept state
-# (the prompt cache's path) must have the cold prefill's logits bit for bit; both are checked before any time is
-# printed (where the probe fails, the server serves no resume: the figure is shown, marked).
+#   streams    1/4/8 streams side by side, one row each in one forward a step (a shared round): aggregate tok/s
+# The pipelined ids must equal the sync ids; where the load probe passes, a first token resumed from a kept state
+# (the prompt cache's path) must have the cold prefill's logits bit for bit, and each of the side-by-side streams the
+# ids it decodes alone; all are checked before any time is printed (where the probe fails, the server serves no
+# resume and no shared rounds: those figures are shown, marked).
 
 from __future__ import annotations
 
@@ -98,6 +101,24 @@ def first_token(model, prompt: list[int], reps: int = 3) -> dict:
     return {"cold_ms": ms(cold), "resumed_ms": ms(resumed), "bit_equal": same}
 
 
+def streams_loop(model, prompts: list[list[int]], tokens: int) -> dict:
+    """Streams decoded side by side, one row each in one forward a step (a shared round): aggregate tok/s."""
+    import mlx.core as mx
+
+    caches = [model.new_cache(len(p) + tokens + 8) for p in prompts]
+    first = mx.argmax(model.forward(caches, prompts, [1] * len(prompts)), axis=-1)
+    for cache, p in zip(caches, prompts):
+        model.keep(cache, len(p))
+    ids = [[int(t)] for t in first.tolist()]
+    start = time.perf_counter()
+    for _ in range(tokens):
+        nxt = mx.argmax(model.forward(caches, [[i[-1]] for i in ids], [1] * len(ids)), axis=-1).tolist()
+        for cache, stream, token in zip(caches, ids, nxt):
+            model.keep(cache, 1)
+            stream.append(int(token))
+    return {"ids": ids, "tok_s": len(prompts) * tokens / (time.perf_counter() - start)}
+
+
 def ms(values: list[float]) -> float:
     return 1000 * statistics.median(values)
 
@@ -118,6 +139,13 @@ def child(args) -> dict:
         sync, piped = sync_loop(model, prompt, args.tokens), pipelined_loop(model, prompt, args.tokens)
         out["cells"].append({"context": length, "sync": sync, "pipelined": piped,
                              "first_token": first_token(model, prompt)})
+    prompts = [tokenizer.encode(text) for text in CODE_PROMPTS]
+    streams_loop(model, prompts[:8], 4)  # each row count's kernels compiled before any time is taken
+    out["streams"] = []
+    for n in (int(n) for n in args.streams.split(",")):
+        shared = streams_loop(model, [prompts[i % len(prompts)] for i in range(n)], args.tokens)
+        alone = [sync_loop(model, prompts[i % len(prompts)], args.tokens)["ids"] for i in range(n)]
+        out["streams"].append({"streams": n, "tok_s": shared["tok_s"], "same_as_alone": shared["ids"] == alone})
     return out
 
 
@@ -127,6 +155,7 @@ def main() -> int:
     parser.add_argument("--modes", default="builtin,table")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--contexts", default="60,1600", help="comma list of prompt lengths in ids")
+    parser.add_argument("--streams", default="1,4,8", help="comma list of stream counts decoded side by side")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -139,7 +168,8 @@ def main() -> int:
         table, _, builtin_ops = mode.partition("-")
         env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
         done = subprocess.run([sys.executable, __file__, "--child", args.target, "--mode", mode, "--tokens",
-                               str(args.tokens), "--contexts", args.contexts], env=env, capture_output=True, text=True)
+                               str(args.tokens), "--contexts", args.contexts, "--streams", args.streams], env=env,
+                              capture_output=True, text=True)
         if done.returncode:
             raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -154,6 +184,9 @@ def main() -> int:
         for c in r["cells"]:
             if r["row_invariant"] and not c["first_token"]["bit_equal"]:
                 raise BenchMismatch(f"{r['mode']}, context {c['context']}: resumed logits differ from cold ones")
+        for cell in r["streams"]:
+            if r["row_invariant"] and not cell["same_as_alone"]:
+                raise BenchMismatch(f"{r['mode']}, {cell['streams']} streams: ids differ from each stream alone")
     print(f"{'mode':<22} {'context':>7} {'build ms':>9} {'eval ms':>8} {'keep ms':>8} {'sync tok/s':>10} "
           f"{'pipelined tok/s':>15} {'host wait ms':>12}")
     for r in results:
@@ -168,6 +201,13 @@ def main() -> int:
             same = "bit-equal" if f["bit_equal"] else "differ (probe fails: no resume served)"
             print(f"{r['mode']:<22} {c['context']:>7} {f['cold_ms']:>19.2f} {f['resumed_ms']:>10.2f} "
                   f"{f['cold_ms'] / f['resumed_ms']:>11.1f}x  {same}")
+    print(f"\n{'mode':<22} {'streams':>7} {'aggregate tok/s':>15} {'vs 1 stream':>11}  ids")
+    for r in results:
+        one = next((c["tok_s"] for c in r["streams"] if c["streams"] == 1), None)
+        for c in r["streams"]:
+            same = "as alone" if c["same_as_alone"] else "differ (probe fails: no shared rounds served)"
+            print(f"{r['mode']:<22} {c['streams']:>7} {c['tok_s']:>15.1f} "
+                  f"{c['tok_s'] / one if one else 0:>10.2f}x  {same}")
     return 0
 
 

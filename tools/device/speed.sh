@@ -4,9 +4,9 @@
 #   bench     the GEMV records against MLX's matmul / quantized_matmul at 1-128 rows (outputs checked before timing)
 #   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first):
 #             PAIR_MODES (default builtin,table; e.g. table-attention leaves attention to MLX, to attribute time)
-#   token     a decode token's host build, eval and keep, sync and pipelined, and the first token cold and resumed,
-#             at 60 and 1600 ids of context, per TOKEN_MODES (default builtin,table,table-attention;
-#             bench/bench_token_time.py)
+#   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
+#             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
+#             builtin,table,table-attention; bench/bench_token_time.py)
 #   launch    a launch's cost in a chain: custom kernels against MLX's own ops (bench/bench_launch.py)
 #   tiles     the bf16 GEMV's tile geometries at 1-128 rows, bit-equal first (bench/bench_gemv_tiles.py)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
