@@ -180,14 +180,20 @@ def split(model: Model, plan: ShardPlan, rank: int, size: int, source: str = "th
              + [(path, _split_outputs, (blocks,)) for path, blocks in plan.blocks]
              + [(path, _split_inputs, ()) for path in plan.rows]
              + [(path, _split_channels, ()) for path in plan.channels])
+    # each cut is evaluated at once: a lazily loaded matrix is read, cut and let go before the next, so a rank never
+    # holds the whole model (the family's load leaves its weights lazy for a rank)
     for path, cut, extra in steps:
         try:
-            cut(_find(model, path), rank, size, *extra)
+            module = _find(model, path)
+            cut(module, rank, size, *extra)
+            mx.eval(module.parameters())
         except (KeyError, IndexError, ValueError) as exc:
             raise CheckpointError(f"{source}: cannot split {path} over {size} ranks ({exc})") from exc
     for columns, path in plan.pairs:
         try:
-            _split_pair([_find(model, column) for column in columns], _find(model, path), rank, size)
+            modules = [_find(model, column) for column in columns] + [_find(model, path)]
+            _split_pair(modules[:-1], modules[-1], rank, size)
+            mx.eval([module.parameters() for module in modules])
         except (KeyError, IndexError, ValueError) as exc:
             raise CheckpointError(f"{source}: cannot split {path} over {size} ranks ({exc})") from exc
     # a row split's bias is rank 0's alone, so the group's sum adds it once

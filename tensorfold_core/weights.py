@@ -107,9 +107,11 @@ def cast_floats(weights: dict[str, mx.array], dtype: str, keep: tuple[str, ...] 
 
 
 def fill(model: nn.Module, weights: dict[str, mx.array], ckpt: Checkpoint, dtype: str, *, family: str, flags: str,
-         keep: tuple[str, ...] = ()) -> None:
-    """Load a family's sanitized tensors into its modules: quantized in place, checked, cast, then evaluated."""
+         keep: tuple[str, ...] = (), evaluate: bool = True) -> None:
+    """Load a family's sanitized tensors into its modules: quantized in place, checked, cast, then evaluated (or
+    left lazy, for a group's rank: `shard.split` evaluates only its part, so the whole model is never held)."""
     quantize_in_place(model, weights, ckpt)
     check_tensors(model, weights, ckpt, family=family, flags=flags)
     model.update(tree_unflatten(list(cast_floats(weights, dtype, keep).items())))
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())

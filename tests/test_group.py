@@ -51,6 +51,20 @@ def test_a_shard_keeps_half_of_every_split_matrix_and_sizes_caches_per_rank(name
     assert half.model.embed_tokens.weight.shape == whole.model.embed_tokens.weight.shape  # replicated
 
 
+@pytest.mark.parametrize("name", SERVED)
+def test_a_rank_loads_its_shard_without_ever_holding_the_whole_model(name):
+    from tensorfold_core.specs import LoadOptions
+
+    whole, _, _ = load_model(name)
+    whole_bytes = sum(a.nbytes for _, a in tree_flatten(whole.parameters()))
+    del whole
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    rank, _, _ = load_model(name, LoadOptions(shard=(1, 2)))
+    rank_bytes = sum(a.nbytes for _, a in tree_flatten(rank.parameters()))
+    assert rank_bytes < whole_bytes and mx.get_peak_memory() < whole_bytes  # each matrix read, cut and let go
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_projection_a_rank_serves_has_its_shape_gated_by_the_family_s_gemv_record(name):
     half, _, _ = load_model(name)

@@ -30,7 +30,9 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> lfm2.Model:
     if args.tie_word_embeddings is None:
         args.tie_word_embeddings = "lm_head.weight" not in weights
     model = arch.Model(args)
-    fill(model, model.sanitize(weights), ckpt, options.dtype, family=ckpt.model_type, flags=FLAGS, keep=KEEP_FLOAT32)
+    fill(model, model.sanitize(weights), ckpt, options.dtype, family=ckpt.model_type, flags=FLAGS, keep=KEEP_FLOAT32,
+         evaluate=options.shard is None)  # a rank evaluates only its shard
+    del weights  # the model holds them now: a rank's cuts free each whole matrix once read
     model.dtype = activation_dtype(model.model.embed_tokens)
     if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
         split(model, plan(model), *options.shard, source=str(ckpt.path))

@@ -24,7 +24,9 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> Model:
     if args.tie_word_embeddings is None:
         args.tie_word_embeddings = "lm_head.weight" not in weights
     model = Model(args)
-    fill(model, model.sanitize(weights), ckpt, options.dtype, family="llama", flags=FLAGS)
+    fill(model, model.sanitize(weights), ckpt, options.dtype, family="llama", flags=FLAGS,
+         evaluate=options.shard is None)  # a rank evaluates only its shard
+    del weights  # the model holds them now: a rank's cuts free each whole matrix once read
     model.dtype = activation_dtype(model.model.embed_tokens)
     if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
         split(model, plan(model), *options.shard, source=str(ckpt.path))
