@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 
-from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code
+from common import CODE_PROMPTS, check_same_ids, exit_code, kernel_mode_child
 
 
 def decode_rate(rounds: list[dict], tokens: int) -> float:
@@ -86,16 +84,8 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    results = []
-    for mode in args.modes.split(","):
-        command = [sys.executable, __file__, "--child", args.target, args.drafter, "--depth", str(args.depth),
-                   "--tokens", str(args.tokens), "--prompts", str(args.prompts), "--mode", mode]
-        table, _, builtin_ops = mode.partition("-")
-        env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    results = [kernel_mode_child(__file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens",
+                                 str(args.tokens), "--prompts", str(args.prompts)) for mode in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code
+from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, kernel_mode_child
 
 
 def context_ids(tokenizer, length: int) -> list[int]:
@@ -163,16 +161,8 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    results = []
-    for mode in args.modes.split(","):
-        table, _, builtin_ops = mode.partition("-")
-        env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
-        done = subprocess.run([sys.executable, __file__, "--child", args.target, "--mode", mode, "--tokens",
-                               str(args.tokens), "--contexts", args.contexts, "--streams", args.streams], env=env,
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    results = [kernel_mode_child(__file__, mode, args.target, "--tokens", str(args.tokens), "--contexts",
+                                 args.contexts, "--streams", args.streams) for mode in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

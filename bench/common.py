@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import random
@@ -200,6 +201,18 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 class BenchMismatch(Exception):
     """A cell's output is not its reference's: it gets no speed, and the benchmark exits 1."""
+
+
+def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
+    """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
+    read at load; a mode `TABLE-OP+OP` leaves those ops to MLX): the JSON its last line prints."""
+    table, _, builtin_ops = mode.partition("-")
+    env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
+    done = subprocess.run([sys.executable, script, "--child", *args, "--mode", mode], env=env, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise BenchMismatch(f"mode {mode}: the child failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def check_same_ids(label: str, reference: list[int], other: list[int]) -> None:
