@@ -366,10 +366,13 @@ def test_the_llama_findings_name_edges_of_their_records_and_apply_only_to_mlx_on
             if finding.case is not None:
                 assert finding.case in {s.label for s in (*record.shapes, *record.edges)}, (record.name, finding)
                 assert finding.mlx == "0.32.4" and finding.symptom
-                named[record.name] = (finding.gate, finding.case)
-    assert named == {f"{family} {name}": case for family in ("llama", "lfm2") for name, case in
-                     (("rmsnorm", (3, "empty")), ("gemv q4", (3, "K=64, one group")),
-                      ("gemv q8", (3, "K=64, one group")))}
+                named.setdefault(record.name, set()).add((finding.gate, finding.case))
+    # MLX's one-group bug also names the one served shape of one group: lfm2_moe's expert down on a group's rank
+    shard = (2, "tiny-lfm2 expert down, 1 of 2 ranks 256x64")
+    assert named == {f"{family} {name}": cases for family in ("llama", "lfm2") for name, cases in
+                     (("rmsnorm", {(3, "empty")}),
+                      ("gemv q4", {(3, "K=64, one group")} | ({shard} if family == "lfm2" else set())),
+                      ("gemv q8", {(3, "K=64, one group")} | ({shard} if family == "lfm2" else set())))}
 
 
 def test_isolation_finds_records_through_entry_points_so_it_takes_no_plugin_manager():
