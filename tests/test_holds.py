@@ -10,9 +10,10 @@ import pytest
 from tensorfold_core import hookimpl
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
+from tensorfold_core.hold_costs import HoldCosts
 from tensorfold_core.lanes.grants import Held
 from tensorfold_core.lanes.guards import FIRST_GAP, Ask, DraftPlanner, Verified
-from tensorfold_core.lanes.holds import HoldCosts, HoldOffer, keep_holds
+from tensorfold_core.lanes.holds import HoldOffer, keep_holds
 from tensorfold_core.loading import load_model, start_drafter
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.protocols import DrafterFacts

@@ -12,7 +12,7 @@ import mlx.core as mx
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
-from tensorfold_core.lanes.holds import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
+from tensorfold_core.hold_costs import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, DrafterFacts, Model as TargetModel, TappedModel
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
