@@ -89,9 +89,12 @@ def _piece(a: mx.array, axis: int, rank: int, size: int, blocks: int = 1) -> mx.
     if n % (blocks * size):
         raise ValueError(f"{n} along axis {axis} does not split into {blocks} blocks over {size} ranks")
     step = n // (blocks * size)
-    pieces = [mx.take(a, mx.arange((b * size + rank) * step, (b * size + rank + 1) * step), axis=axis)
-              for b in range(blocks)]
+    pieces = [_span(a, axis, (b * size + rank) * step, (b * size + rank + 1) * step) for b in range(blocks)]
     return mx.contiguous(pieces[0] if blocks == 1 else mx.concatenate(pieces, axis=axis))
+
+
+def _span(a: mx.array, axis: int, lo: int, hi: int) -> mx.array:
+    return mx.take(a, mx.arange(lo, hi), axis=axis)
 
 
 def _split_outputs(module: nn.Module, rank: int, size: int, blocks: int = 1) -> None:
@@ -123,22 +126,26 @@ def width_bounds(width: int, unit: int, rank: int, size: int) -> tuple[int, int]
     return lo, lo + (base + (rank < extra)) * unit
 
 
+def pair_bounds(width: int, group: int | None, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank`'s [lo, hi) of a pair's inner width: evenly where that keeps whole quantization groups (`group`
+    None: unquantized), else in whole groups."""
+    even = width % size == 0 and (group is None or (width // size) % group == 0)
+    return width_bounds(width, 1 if even else group, rank, size)
+
+
 def _split_pair(columns: list[nn.Module], row: nn.Module, rank: int, size: int) -> None:
     group = getattr(row, "group_size", None)
     width = row["scales"].shape[-1] * group if group is not None else row["weight"].shape[-1]
-    even = width % size == 0 and (group is None or (width // size) % group == 0)
-    lo, hi = width_bounds(width, 1 if even else group or 1, rank, size)
+    lo, hi = pair_bounds(width, group, rank, size)
     for module in columns:  # outputs lo..hi
         for name in (*QUANTIZED_PARTS, "bias"):
             if name in module:
-                axis = -1 if name == "bias" else -2
-                module[name] = mx.contiguous(mx.take(module[name], mx.arange(lo, hi), axis=axis))
+                module[name] = mx.contiguous(_span(module[name], -1 if name == "bias" else -2, lo, hi))
     per_input = {"weight": row["weight"].shape[-1] / width}  # packed words (or values) an input takes
     if group is not None:
         per_input.update(scales=1 / group, biases=1 / group)
-    for name, rate in per_input.items():  # inputs lo..hi
-        module_lo, module_hi = round(lo * rate), round(hi * rate)
-        row[name] = mx.contiguous(mx.take(row[name], mx.arange(module_lo, module_hi), axis=-1))
+    for name, rate in per_input.items():  # inputs lo..hi: whole words and groups, as the bounds are whole groups
+        row[name] = mx.contiguous(_span(row[name], -1, round(lo * rate), round(hi * rate)))
 
 
 def _split_channels(module: nn.Module, rank: int, size: int) -> None:

@@ -47,15 +47,14 @@ def shard_sizes(columns: list[tuple[str, int, int]], rows: list[tuple[str, int, 
     """A group rank's projections (label, n, k) not already `served` (n, k): those split by outputs keep n / ranks,
     those split by inputs k / ranks (where that keeps whole quantization groups: elsewhere the load refuses it), and
     each pair (column label, row label, width, d) its ranks' widths as `tensorfold_core.shard` cuts them."""
-    from tensorfold_core.shard import width_bounds
+    from tensorfold_core.shard import pair_bounds
 
     out = [(f"{what}, 1 of {ranks} ranks", n // ranks, k) for what, n, k in columns]
     out += [(f"{what}, 1 of {ranks} ranks", n, k // ranks) for what, n, k in rows
             if bits == 16 or (k // ranks) % group == 0]
     for column, row, width, d in pairs:
-        even = width % ranks == 0 and (bits == 16 or (width // ranks) % group == 0)
         try:
-            widths = sorted({hi - lo for lo, hi in (width_bounds(width, 1 if even else group, rank, ranks)
+            widths = sorted({hi - lo for lo, hi in (pair_bounds(width, None if bits == 16 else group, rank, ranks)
                                                     for rank in range(ranks))}, reverse=True)
         except ValueError:  # fewer whole groups than ranks: the load refuses it
             widths = []
