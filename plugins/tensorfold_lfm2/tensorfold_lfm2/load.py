@@ -5,11 +5,13 @@ from __future__ import annotations
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import activation_dtype
+from tensorfold_core.kernels import BUILTIN
 from tensorfold_core.shard import split
 from tensorfold_core.specs import LoadOptions
 from tensorfold_core.weights import fill
 
 from . import lfm2, lfm2_moe
+from .ops import OPS
 from .serving import serve_kernels
 from .shard import plan
 
@@ -36,5 +38,6 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> lfm2.Model:
     model.dtype = activation_dtype(model.model.embed_tokens)
     if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
         split(model, plan(model), *options.shard, source=str(ckpt.path))
-    model.kernels = serve_kernels(model, gather=options.shard is None)
+    model.kernels = ({op: BUILTIN for op in OPS} if options.builtin_kernels
+                     else serve_kernels(model, gather=options.shard is None))
     return model

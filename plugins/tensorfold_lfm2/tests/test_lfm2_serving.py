@@ -62,6 +62,13 @@ def _models(name: str, monkeypatch):
     return recorded, builtin, tokenizer
 
 
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
+def test_a_load_that_asks_for_mlx_s_own_ops_serves_them_whatever_the_table_says(through_records, name):
+    model, _, _ = load_model(name, LoadOptions(dtype="bfloat16", builtin_kernels=True))
+    assert model.kernels == {op: BUILTIN for op in OPS} and model.served_head is None
+    assert not any(isinstance(m, (RecordLinear, RecordNorm)) for _, m in model.named_modules())
+
+
 def test_served_through_its_records_the_dense_model_stays_within_bf16_rounding_of_the_built_ins(through_records,
                                                                                                 monkeypatch):
     recorded, builtin, tokenizer = _models("tiny-lfm2", monkeypatch)
