@@ -205,9 +205,15 @@ class BenchMismatch(Exception):
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
-    read at load; a mode `TABLE-OP+OP` leaves those ops to MLX): the JSON its last line prints."""
-    table, _, builtin_ops = mode.partition("-")
+    read at load; a mode `TABLE-OP+OP` leaves those ops to MLX, and one ending `:op-by-op` compiles no layer part,
+    TENSORFOLD_COMPILE=0): the JSON its last line prints."""
+    served, _, variant = mode.partition(":")
+    if variant not in ("", "op-by-op"):
+        raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: op-by-op)")
+    table, _, builtin_ops = served.partition("-")
     env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
+    if variant:
+        env["TENSORFOLD_COMPILE"] = "0"
     done = subprocess.run([sys.executable, script, "--child", *args, "--mode", mode], env=env, capture_output=True,
                           text=True)
     if done.returncode:

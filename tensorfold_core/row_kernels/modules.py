@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 
 FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch (to measure what fusing saves)
+COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled; "1": compiled on any backend (a measurement)
 
 
 def projection_op(module: nn.Module, activations: mx.Dtype) -> str | None:
@@ -178,3 +179,16 @@ def swap_tree(module: nn.Module, projection: Swap, norm: Swap) -> None:
                 setattr(module, name, new)
             else:
                 child[index] = new
+
+
+def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str) -> bool:
+    """mx.compile each layer's cache-free parts (its `halves`) where records serve on a GPU: a compiled call replays
+    the kernels it traced, without the Python that builds them again and without MLX's custom-kernel binding, which
+    assembles a kernel's whole source text on every call. Weights are read at the trace, so they are fixed from here.
+    The same compiled parts serve every row count, window and stream, so the row invariance is the kernels' own."""
+    wanted = os.environ.get(COMPILE_ENV, "")
+    if wanted == "0" or (wanted != "1" and (kind == "mlx" or not usable)):
+        return False
+    for layer in layers:
+        object.__setattr__(layer, "halves", tuple(mx.compile(half) for half in layer.halves))
+    return True

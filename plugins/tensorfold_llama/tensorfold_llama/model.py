@@ -107,11 +107,15 @@ class Attention(nn.Module):
         self.attend = None
         object.__setattr__(self, "qkv", None)  # q, k and v in one launch where a record serves them (serving.py)
 
-    def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values of every packed row."""
         if self.qkv is not None:
-            queries, keys, values = self.qkv(x)
-        else:
-            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return tuple(self.qkv(x))
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def mix(self, queries: mx.array, keys: mx.array, values: mx.array, spans: Sequence[Span],
+            layer: int) -> mx.array:
+        """Each stream's rows attend over its own cache (the window's keys written there first); rows packed again."""
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
             q = queries[start:start + n].reshape(1, n, self.n_heads, -1).transpose(0, 2, 1, 3)
@@ -122,11 +126,14 @@ class Attention(nn.Module):
             if self.attend is not None:
                 o = self.attend(q[0].transpose(1, 0, 2), cache.keys[layer], cache.values[layer], cache.offset,
                                 self.scale, self.sliding_window)
-                outs.append(o.astype(x.dtype).reshape(n, -1))
+                outs.append(o.astype(queries.dtype).reshape(n, -1))
                 continue
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
-        return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
+
+    def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
+        return self.o_proj(self.mix(*self.project(x), spans, layer))
 
 
 class MLP(nn.Module):
@@ -150,10 +157,19 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # the parts of a layer with no cache in them, as (before, after); mx.compile'd where records serve on a GPU
+        object.__setattr__(self, "halves", (self.before, self.after))
+
+    def before(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(x))
+
+    def after(self, x: mx.array, mixed: mx.array) -> mx.array:
+        h = x + self.self_attn.o_proj(mixed)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), spans, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        before, after = self.halves
+        return after(x, self.self_attn.mix(*before(x), spans, layer))
 
 
 class LlamaModel(nn.Module):

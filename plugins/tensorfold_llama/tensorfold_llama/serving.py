@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import RecordLinear, fused, projection_op, swaps
+from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, fused, projection_op, swaps
 
 from .kernels import records
 from .ops import OPS
@@ -40,4 +40,5 @@ def serve_kernels(model) -> dict:
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     else:
         model.lm_head = linear(model.lm_head)
+    compile_halves(blocks.layers, usable, kind)
     return labels

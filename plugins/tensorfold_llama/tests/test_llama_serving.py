@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MethodType
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -16,7 +18,7 @@ from tensorfold_core.specs import DrafterOptions, LoadOptions
 from tensorfold_core.testing import Run, serial, solo
 from tensorfold_llama.kernels import records
 from tensorfold_llama.ops import OPS
-from tensorfold_core.row_kernels.modules import RecordLinear, RecordNorm
+from tensorfold_core.row_kernels.modules import COMPILE_ENV, RecordLinear, RecordNorm
 
 PROMPTS = ["import os\nimport", "def main(argv):\n", "class Point:\n    def __init__(self"]
 
@@ -61,7 +63,10 @@ def test_served_through_its_records_the_shipped_model_stays_within_bf16_rounding
         assert mx.abs(ours - theirs).max().item() <= 4 * 2.0 ** -7 * mx.abs(theirs).max().item()
 
 
-def test_served_through_its_records_drafted_and_concurrent_replies_equal_the_plain_ones(through_records):
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_served_through_its_records_drafted_and_concurrent_replies_equal_the_plain_ones(through_records, monkeypatch,
+                                                                                        compiled):
+    monkeypatch.setenv(COMPILE_ENV, compiled)  # "1": each layer's cache-free parts mx.compile'd, as on a GPU
     model, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     drafter = start_drafter("tiny-llama-drafter", model, tokenizer, DrafterOptions(dtype="bfloat16"))
     requests = [GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=16, sampling=sampling)
@@ -167,3 +172,29 @@ def test_projections_are_launched_one_by_one_where_fusing_is_turned_off(through_
     monkeypatch.setenv(FUSED_ENV, "0")
     model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert model.model.layers[0].self_attn.qkv is None and model.model.layers[0].mlp.gate_up is None
+
+
+def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for_any_windows(through_records,
+                                                                                             monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    compiled, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert type(compiled.model.layers[0].halves[0]) is not MethodType  # mx.compile's wrapper
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    plain, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert type(plain.model.layers[0].halves[0]) is MethodType
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in (compiled, plain)}
+    for windows in (prompts, [[7, 8, 9]] * 3, [[11]] * 3):  # three streams' windows a forward, of ragged rows
+        ours, theirs = (m.forward(caches[id(m)], windows, [len(w) for w in windows]) for m in (compiled, plain))
+        assert mx.array_equal(ours, theirs).item()
+        for m in (compiled, plain):
+            for cache, window in zip(caches[id(m)], windows):
+                m.keep(cache, len(window))
+
+
+def test_on_the_cpu_the_table_compiles_no_layer_part(monkeypatch):
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    for table in ("table", "records"):  # the CPU serves MLX's ops or the records' mlx implementations: nothing to gain
+        monkeypatch.setenv(KERNELS_ENV, table)
+        model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+        assert type(model.model.layers[0].halves[0]) is MethodType
