@@ -181,14 +181,40 @@ def swap_tree(module: nn.Module, projection: Swap, norm: Swap) -> None:
                 child[index] = new
 
 
-def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str) -> bool:
-    """mx.compile each layer's cache-free parts (its `halves`) where records serve on a GPU: a compiled call replays
-    the kernels it traced, without the Python that builds them again and without MLX's custom-kernel binding, which
-    assembles a kernel's whole source text on every call. Weights are read at the trace, so they are fixed from here.
-    The same compiled parts serve every row count, window and stream, so the row invariance is the kernels' own."""
+class ShapeCompiled:
+    """`fn` mx.compile'd once for each row count (the first axis of its first input, or `key` of its inputs): each
+    compiled function holds the one trace, and past `keep` of them the least recently used is dropped with its trace,
+    so a server meeting ever new prompt lengths does not grow MLX's compile cache without end."""
+
+    def __init__(self, fn: Callable, keep: int = 64, key: Callable | None = None):
+        self.fn, self.keep, self.key = fn, keep, key or (lambda first, *rest: first.shape[0])
+        self.compiled: dict = {}
+
+    def __call__(self, *arrays):
+        key = self.key(*arrays)
+        compiled = self.compiled.pop(key, None)
+        if compiled is None:
+            compiled = mx.compile(self.fn)
+            if len(self.compiled) >= self.keep:
+                del self.compiled[next(iter(self.compiled))]
+        self.compiled[key] = compiled  # last in the dict: the most recently used
+        return compiled(*arrays)
+
+
+def compiling(usable: Mapping[str, object], kind: str) -> bool:
+    """Whether a family compiles its layers' parts: where records serve on a GPU (a compiled call replays the kernels
+    it traced, without the Python that builds them again and without MLX's custom-kernel binding, which assembles a
+    kernel's whole source text on every call), or as TENSORFOLD_COMPILE says."""
     wanted = os.environ.get(COMPILE_ENV, "")
-    if wanted == "0" or (wanted != "1" and (kind == "mlx" or not usable)):
+    return wanted == "1" or (wanted != "0" and kind != "mlx" and bool(usable))
+
+
+def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str) -> bool:
+    """Compile each layer's cache-free parts (its `halves`) where `compiling` says. Weights are read at the trace, so
+    they are fixed from here; every row count, window and stream goes through the same compiled parts, so the row
+    invariance is the kernels' own."""
+    if not compiling(usable, kind):
         return False
     for layer in layers:
-        object.__setattr__(layer, "halves", tuple(mx.compile(half) for half in layer.halves))
+        object.__setattr__(layer, "halves", tuple(ShapeCompiled(half) for half in layer.halves))
     return True
