@@ -129,9 +129,12 @@ def _scale(scale: float):
 _BUILT: dict = {}
 
 
-def _built(kind: str):
+def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int | None):
     import mlx.core as mx
 
+    rows, heads, dim, kv_heads, capacity = check(q, k, v, offset, window)
+    if rows == 0:
+        return mx.zeros((0, heads, dim), mx.float32)
     kernel = _BUILT.get(kind)
     if kernel is None:
         body = CUDA if kind == "cuda" else METAL
@@ -139,43 +142,11 @@ def _built(kind: str):
         name = f"tf_window_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
         make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
         kernel = _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
-    return kernel
-
-
-def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int | None):
-    import mlx.core as mx
-
-    rows, heads, dim, kv_heads, capacity = check(q, k, v, offset, window)
-    if rows == 0:
-        return mx.zeros((0, heads, dim), mx.float32)
     # the cache's [1, kv_heads, capacity, head_dim] buffer goes in as it is: the same memory as _kernel_inputs'
     # [kv_heads, capacity, head_dim], with no reshape to build on every layer's call
     dims = mx.array([rows, heads, kv_heads, capacity, offset, window or 0], mx.int32)
-    (out,) = _built(kind)(inputs=[q, k, v, _scale(scale), dims], **_launch_arguments(rows, heads, dim))
+    (out,) = kernel(inputs=[q, k, v, _scale(scale), dims], **_launch_arguments(rows, heads, dim))
     return out
-
-
-def attention_at(kind: str, scale: float):
-    """The cuda or metal kernel as a call on dims already made ([rows, heads, kv_heads, capacity, offset, window],
-    int32, see `window_dims`), so that a compiled step can take the offset as an array: the caller's cache checked
-    that the rows fit, and no array is made here."""
-    kernel, scaled = _built(kind), _scale(scale)
-
-    def attend(q, k, v, dims):
-        rows, heads, dim = q.shape
-        (out,) = kernel(inputs=[q, k, v, scaled, dims], **_launch_arguments(rows, heads, dim))
-        return out
-
-    return attend
-
-
-def window_dims(rows: int, heads: int, kv_heads: int, capacity: int, offset: int, window: int | None) -> "mx.array":
-    """The dims array the kernels read, checked as `check` checks a call."""
-    import mlx.core as mx
-
-    if offset < 0 or offset + rows > capacity:
-        raise ValueError(f"rows at positions {offset}..{offset + rows - 1} do not fit a cache of {capacity} keys")
-    return mx.array([rows, heads, kv_heads, capacity, offset, window or 0], mx.int32)
 
 
 @functools.lru_cache(maxsize=1024)

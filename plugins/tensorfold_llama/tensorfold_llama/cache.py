@@ -28,7 +28,6 @@ class KVCache:
         self.offset = 0
         self.capacity = capacity
         self.window: int | None = None  # rows of the last forward, until kept
-        self._dims: tuple | None = None  # (offset, rows, the attention kernels' dims) of the window being run
         shape = (1, kv_heads, capacity + WINDOW_SLACK, head_dim)
         self.keys = [mx.zeros(shape, dtype) for _ in range(layers)]
         self.values = [mx.zeros(shape, dtype) for _ in range(layers)]
@@ -49,18 +48,6 @@ class KVCache:
         self.keys[layer][..., self.offset:end, :] = k
         self.values[layer][..., self.offset:end, :] = v
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
-
-    def window_dims(self, rows: int, heads: int, window: int | None) -> mx.array:
-        """[rows, heads, kv_heads, capacity, offset, window] as the window attention kernels read them, made once a
-        forward for all its layers (the compiled stream step takes the offset from it)."""
-        if self._dims is None or self._dims[:2] != (self.offset, rows):
-            kv_heads, capacity = self.keys[0].shape[1:3]
-            if self.offset + rows > capacity:
-                raise ValueError(f"rows at positions {self.offset}..{self.offset + rows - 1} do not fit a cache of "
-                                 f"{capacity} keys")
-            dims = mx.array([rows, heads, kv_heads, capacity, self.offset, window or 0], mx.int32)
-            self._dims = (self.offset, rows, dims)
-        return self._dims[2]
 
     def commit(self, rows: int) -> list[mx.array]:
         """Keep the window's first `rows` rows, lazily: keys past them are overwritten by the next window."""

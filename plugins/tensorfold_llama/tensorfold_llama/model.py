@@ -106,8 +106,6 @@ class Attention(nn.Module):
         # the cache's whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
         self.attend = None
         object.__setattr__(self, "qkv", None)  # q, k and v in one launch where a record serves them (serving.py)
-        # one stream's rope, cache write and attention compiled, where the layers' parts are (serving.py)
-        object.__setattr__(self, "step", None)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values of every packed row."""
@@ -120,12 +118,6 @@ class Attention(nn.Module):
         """Each stream's rows attend over its own cache (the window's keys written there first); rows packed again."""
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
-            if self.step is not None:
-                o, cache.keys[layer], cache.values[layer] = self.step(
-                    queries[start:start + n], keys[start:start + n], values[start:start + n], cache.keys[layer],
-                    cache.values[layer], cache.window_dims(n, self.n_heads, self.sliding_window))
-                outs.append(o)
-                continue
             q = queries[start:start + n].reshape(1, n, self.n_heads, -1).transpose(0, 2, 1, 3)
             k = keys[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
             v = values[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -139,17 +131,6 @@ class Attention(nn.Module):
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs)
-
-    def stream_step(self, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array,
-                    dims: mx.array, attend) -> tuple[mx.array, mx.array, mx.array]:
-        """One stream's n packed rows through rope, the cache's write and `attend` (a kernel taking `dims`), the offset
-        read from dims as an array, so one compiled trace serves every position: (out, keys, values)."""
-        n, at = q.shape[0], dims[4:5]
-        q = self.rope(q.reshape(1, n, self.n_heads, -1).transpose(0, 2, 1, 3), at)
-        k = self.rope(k.reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3), at)
-        v = v.reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        keys, values = mx.slice_update(keys, k, at, axes=(2,)), mx.slice_update(values, v, at, axes=(2,))
-        return attend(q[0].transpose(1, 0, 2), keys, values, dims).astype(q.dtype).reshape(n, -1), keys, values
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
         return self.o_proj(self.mix(*self.project(x), spans, layer))

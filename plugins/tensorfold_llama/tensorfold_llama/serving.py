@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (RecordLinear, ShapeCompiled, compile_halves, fused, projection_op,
-                                                swaps)
+from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, fused, projection_op, swaps
 
 from .kernels import records
 from .ops import OPS
@@ -43,13 +40,5 @@ def serve_kernels(model) -> dict:
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     else:
         model.lm_head = linear(model.lm_head)
-    if compile_halves(blocks.layers, usable, kind) and attend is not None and kind != "mlx":
-        from tensorfold_core.row_kernels.attention import attention_at
-
-        # every layer's attention has the same heads, rope and scale: one compiled step a (rows, capacity) serves all
-        first = blocks.layers[0].self_attn
-        step = ShapeCompiled(partial(first.stream_step, attend=attention_at(kind, first.scale)), keep=128,
-                             key=lambda q, k, v, keys, *rest: (q.shape[0], keys.shape[2]))
-        for layer in blocks.layers:
-            object.__setattr__(layer.self_attn, "step", step)
+    compile_halves(blocks.layers, usable, kind)
     return labels

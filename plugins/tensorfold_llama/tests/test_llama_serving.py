@@ -200,33 +200,6 @@ def test_on_the_cpu_the_table_compiles_no_layer_part(monkeypatch):
         assert type(model.model.layers[0].halves[0]) is MethodType
 
 
-def test_a_stream_step_with_its_offset_in_an_array_equals_the_op_by_op_window_bit_for_bit(through_records,
-                                                                                          monkeypatch):
-    from tensorfold_core.row_kernels.attention import mlx_window_attention
-
-    monkeypatch.setenv(COMPILE_ENV, "0")
-    model, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    attn = model.model.layers[0].self_attn
-
-    def attend(q, k, v, dims):  # the mlx implementation, told the offset the kernels read from dims
-        return mlx_window_attention(q, k, v, dims[4].item(), attn.scale, attn.sliding_window)
-
-    ids = tokenizer.encode(PROMPTS[1])
-    caches = [model.new_cache(64), model.new_cache(64)]
-    for window in (ids, [5, 6, 7], [9]):  # a prompt, then windows at later offsets
-        x = model.model.embed_tokens(mx.array(window))
-        q, k, v = attn.project(model.model.layers[0].input_layernorm(x))
-        theirs = attn.mix(q, k, v, [(0, len(window), caches[0], None)], 0)
-        cache = caches[1]
-        ours, cache.keys[0], cache.values[0] = attn.stream_step(
-            q, k, v, cache.keys[0], cache.values[0], cache.window_dims(len(window), attn.n_heads, None), attend)
-        assert mx.array_equal(ours, theirs).item()
-        assert mx.array_equal(caches[0].keys[0], caches[1].keys[0]).item()
-        assert mx.array_equal(caches[0].values[0], caches[1].values[0]).item()
-        for c in caches:
-            c.offset += len(window)
-
-
 def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
     from tensorfold_core.row_kernels.modules import ShapeCompiled
 
