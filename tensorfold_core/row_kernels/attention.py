@@ -144,9 +144,17 @@ def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int
         kernel = _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
     # the cache's [1, kv_heads, capacity, head_dim] buffer goes in as it is: the same memory as _kernel_inputs'
     # [kv_heads, capacity, head_dim], with no reshape to build on every layer's call
-    dims = mx.array([rows, heads, kv_heads, capacity, offset, window or 0], mx.int32)
+    dims = _dims(rows, heads, kv_heads, capacity, offset, window or 0)
     (out,) = kernel(inputs=[q, k, v, _scale(scale), dims], **_launch_arguments(rows, heads, dim))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _dims(*values: int):
+    """The dims a call reads, made once for all the layers of a forward (the offset moves each token)."""
+    import mlx.core as mx
+
+    return mx.array(values, mx.int32)
 
 
 @functools.lru_cache(maxsize=1024)

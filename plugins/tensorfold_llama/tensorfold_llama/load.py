@@ -30,5 +30,6 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> Model:
     model.dtype = activation_dtype(model.model.embed_tokens)
     if options.shard is not None:  # a group's rank: its part of the weights, before kernels are prepared for them
         split(model, plan(model), *options.shard, source=str(ckpt.path))
-    model.kernels = {op: BUILTIN for op in OPS} if options.builtin_kernels else serve_kernels(model)
+    model.kernels = ({op: BUILTIN for op in OPS} if options.builtin_kernels
+                     else serve_kernels(model, compiled=options.shard is None))
     return model

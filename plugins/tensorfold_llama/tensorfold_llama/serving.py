@@ -9,8 +9,9 @@ from .kernels import records
 from .ops import OPS
 
 
-def serve_kernels(model) -> dict:
-    """Swap the model's row-path modules for the table's records on this backend; what serves each op."""
+def serve_kernels(model, compiled: bool = True) -> dict:
+    """Swap the model's row-path modules for the table's records on this backend; what serves each op (`compiled`:
+    False on a group's rank, whose layers record their sums as they run, which a compiled replay would not)."""
     usable, kind, labels = records_served(OPS, records)
     blocks = model.model
     linear, norm = swaps(usable, kind, model.dtype)
@@ -40,5 +41,6 @@ def serve_kernels(model) -> dict:
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     else:
         model.lm_head = linear(model.lm_head)
-    compile_halves(blocks.layers, usable, kind)
+    if compiled:
+        compile_halves(blocks.layers, usable, kind)
     return labels

@@ -207,3 +207,10 @@ def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
     for rows in (1, 2, 1, 3):
         assert twice(mx.ones((rows, 4))).tolist() == [[2.0] * 4] * rows
     assert list(twice.compiled) == [1, 3]  # 2, the least recently used, dropped with its trace
+
+
+def test_a_group_rank_compiles_no_layer_part_since_its_layers_record_their_sums_as_they_run(through_records,
+                                                                                            monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    rank, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16", shard=(1, 2)))
+    assert type(rank.model.layers[0].halves[0]) is MethodType
