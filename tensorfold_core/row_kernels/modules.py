@@ -209,12 +209,16 @@ def compiling(usable: Mapping[str, object], kind: str) -> bool:
     return wanted == "1" or (wanted != "0" and kind != "mlx" and bool(usable))
 
 
-def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str) -> bool:
-    """Compile each layer's cache-free parts (its `halves`) where `compiling` says. Weights are read at the trace, so
-    they are fixed from here; every row count, window and stream goes through the same compiled parts, so the row
-    invariance is the kernels' own."""
+def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str,
+                   traceable: Callable[[nn.Module], Sequence[bool]] | None = None) -> bool:
+    """Compile each layer's cache-free parts (its `halves`) where `compiling` says, those `traceable` allows (a part
+    that reads arrays on the host, an MoE's picks, runs op by op). Weights are read at the trace, so they are fixed
+    from here; every row count, window and stream goes through the same parts, so the row invariance is the
+    kernels' own."""
     if not compiling(usable, kind):
         return False
     for layer in layers:
-        object.__setattr__(layer, "halves", tuple(ShapeCompiled(half) for half in layer.halves))
+        allowed = traceable(layer) if traceable else [True] * len(layer.halves)
+        object.__setattr__(layer, "halves", tuple(ShapeCompiled(half) if ok else half
+                                                  for half, ok in zip(layer.halves, allowed)))
     return True

@@ -109,11 +109,14 @@ class Attention(nn.Module):
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
 
-    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         rows = x.shape[0]
         queries = self.q_layernorm(self.q_proj(x).reshape(rows, self.n_heads, -1))  # per-head norms are row-wise
         keys = self.k_layernorm(self.k_proj(x).reshape(rows, self.n_kv_heads, -1))
-        values = self.v_proj(x).reshape(rows, self.n_kv_heads, -1)
+        return queries, keys, self.v_proj(x).reshape(rows, self.n_kv_heads, -1)
+
+    def mix(self, queries: mx.array, keys: mx.array, values: mx.array, spans: Sequence[Span],
+            slot: int) -> tuple[mx.array]:
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
@@ -122,11 +125,14 @@ class Attention(nn.Module):
             if self.attend is not None:
                 o = self.attend(q[0].transpose(1, 0, 2), cache.keys[slot], cache.values[slot], cache.offset,
                                 self.scale, None)
-                outs.append(o.astype(x.dtype).reshape(n, -1))
+                outs.append(o.astype(values.dtype).reshape(n, -1))
                 continue
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
-        return self.out_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
+        return (outs[0] if len(outs) == 1 else mx.concatenate(outs)),
+
+    def out(self, mixed: mx.array) -> mx.array:
+        return self.out_proj(mixed)
 
 
 class ShortConv(nn.Module):
@@ -140,16 +146,21 @@ class ShortConv(nn.Module):
         self.out_proj = nn.Linear(dim, dim, bias=args.conv_bias)
         self.served = None  # the stream conv record where the table names one (serving.py); None: nn.Conv1d
 
-    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array]:
         b, c, x = mx.split(self.in_proj(x), 3, axis=-1)
-        gated = b * x
+        return c, b * x
+
+    def mix(self, c: mx.array, gated: mx.array, spans: Sequence[Span], slot: int) -> tuple[mx.array, mx.array]:
         # per stream: the conv reads the stream's committed tail; the cache keeps the rows for keep()
         outs = []
         for start, n, cache, _ in spans:
             rows, tail = gated[start:start + n], cache.conv[slot]
             inputs = cache.conv_input(slot, rows[None])  # [tail; rows]
             outs.append(self.conv(inputs)[0] if self.served is None else self.served.run(tail, rows))
-        return self.out_proj(c * (outs[0] if len(outs) == 1 else mx.concatenate(outs)))
+        return c, (outs[0] if len(outs) == 1 else mx.concatenate(outs))
+
+    def out(self, c: mx.array, convolved: mx.array) -> mx.array:
+        return self.out_proj(c * convolved)
 
 
 class MLP(nn.Module):
@@ -175,10 +186,23 @@ class DecoderLayer(nn.Module):
         self.operator_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
 
-    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
-        op = self.self_attn if self.is_attention_layer else self.conv
-        h = x + op(self.operator_norm(x), spans, slot)
+        # the parts of a layer with no cache in them, as (before, after); mx.compile'd where records serve on a GPU
+        object.__setattr__(self, "halves", (self.before, self.after))
+
+    @property
+    def op(self) -> nn.Module:
+        return self.self_attn if self.is_attention_layer else self.conv
+
+    def before(self, x: mx.array) -> tuple[mx.array, ...]:
+        return self.op.project(self.operator_norm(x))
+
+    def after(self, x: mx.array, *mixed: mx.array) -> mx.array:
+        h = x + self.op.out(*mixed)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+        before, after = self.halves
+        return after(x, *self.op.mix(*before(x), spans, slot))
 
 
 class Lfm2Model(nn.Module):

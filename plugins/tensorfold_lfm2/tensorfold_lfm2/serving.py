@@ -8,7 +8,8 @@ import numpy as np
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import RecordLinear, Served, projection_op, swap_tree, swaps
+from tensorfold_core.row_kernels.modules import (RecordLinear, Served, compile_halves, projection_op, swap_tree,
+                                                swaps)
 
 from .kernels import records
 from .ops import OPS
@@ -121,7 +122,8 @@ class ServedMoe(Served):
 
 def serve_kernels(model, gather: bool = True) -> dict:
     """Swap the model's row-path modules for the table's records on this backend; what serves each op (`gather`:
-    MoE experts over the rows that picked them; False on a group's rank, see ServedMoe)."""
+    MoE experts over the rows that picked them; False on a group's rank, see ServedMoe, whose layers record their sums
+    as they run, so nothing there is compiled)."""
     from .lfm2_moe import SparseMoeBlock
 
     usable, kind, labels = records_served(OPS, records)
@@ -143,4 +145,7 @@ def serve_kernels(model, gather: bool = True) -> dict:
         op = projection_op(embed, model.dtype)
         if op in usable:  # the embedding's weight read as a projection; kept out of the module tree (no twin)
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
+    if gather:  # an MoE block reads its picks on the host: the part of a layer that holds one runs op by op
+        compile_halves(model.model.layers, usable, kind,
+                       lambda layer: (True, not isinstance(layer.feed_forward, (ServedMoe, SparseMoeBlock))))
     return labels

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MethodType
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -11,7 +13,7 @@ from tensorfold_core.kernels import BUILTIN, KERNELS_ENV, describe, missing_reco
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_model
 from tensorfold_core.options import ServeOptions
-from tensorfold_core.row_kernels.modules import RecordLinear, RecordNorm
+from tensorfold_core.row_kernels.modules import COMPILE_ENV, RecordLinear, RecordNorm
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.specs import LoadOptions
 from tensorfold_core.testing import Run, serial, solo
@@ -95,8 +97,11 @@ def test_served_through_its_records_a_moe_block_gives_the_built_in_block_s_rows_
     assert mx.array_equal(ours(rows[7:8]), theirs(rows)[7:8]).item()
 
 
+@pytest.mark.parametrize("compiled", ["0", "1"])
 @pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
-def test_served_through_its_records_concurrent_replies_equal_the_ones_served_alone(name, through_records):
+def test_served_through_its_records_concurrent_replies_equal_the_ones_served_alone(name, through_records, monkeypatch,
+                                                                                   compiled):
+    monkeypatch.setenv(COMPILE_ENV, compiled)  # "1": each layer's cache-free parts mx.compile'd, as on a GPU
     model, tokenizer, _ = load_model(name, BF16)
     requests = [GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=12, sampling=sampling)
                 for text in PROMPTS for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=5))]
@@ -130,3 +135,29 @@ def test_a_served_moe_block_runs_only_the_experts_its_rows_picked(through_record
     ran.clear()
     rows = (mx.random.normal((9, 256), key=mx.random.key(5)) * 0.5).astype(mx.bfloat16)
     assert mx.array_equal(ours(rows), theirs(rows)).item() and len(ran) == 1 + 3 * 8
+
+
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
+def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit(name, through_records, monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    compiled, tokenizer, _ = load_model(name, BF16)
+    layers = compiled.model.layers
+    # an MoE layer's after part reads its picks on the host: it runs op by op
+    assert [type(half) is MethodType for half in layers[0].halves] == [False, isinstance(layers[0].feed_forward,
+                                                                                          ServedMoe)]
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    plain, _, _ = load_model(name, BF16)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in (compiled, plain)}
+    for windows in (prompts, [[7, 8, 9]] * 3, [[11]] * 3):  # conv and attention layers over ragged windows
+        ours, theirs = (m.forward(caches[id(m)], windows, [len(w) for w in windows]) for m in (compiled, plain))
+        assert mx.array_equal(ours, theirs).item()
+        for m in (compiled, plain):
+            for cache, window in zip(caches[id(m)], windows):
+                m.keep(cache, len(window))
+
+
+def test_a_group_rank_compiles_no_layer_part(through_records, monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    rank, _, _ = load_model("tiny-lfm2", LoadOptions(dtype="bfloat16", shard=(1, 2)))
+    assert all(type(half) is MethodType for half in rank.model.layers[0].halves)
