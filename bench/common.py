@@ -203,17 +203,20 @@ class BenchMismatch(Exception):
     """A cell's output is not its reference's: it gets no speed, and the benchmark exits 1."""
 
 
+VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENSORFOLD_ROPE_ROWS": "1"}}
+
+
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
-    read at load; a mode `TABLE-OP+OP` leaves those ops to MLX, and one ending `:op-by-op` compiles no layer part,
-    TENSORFOLD_COMPILE=0): the JSON its last line prints."""
+    read at load; a mode `TABLE-OP+OP` leaves those ops to MLX; one ending `:op-by-op` compiles no layer part,
+    TENSORFOLD_COMPILE=0, and `:rope-rows` ropes q and k in the compiled part, TENSORFOLD_ROPE_ROWS=1): the JSON its
+    last line prints."""
     served, _, variant = mode.partition(":")
-    if variant not in ("", "op-by-op"):
-        raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: op-by-op)")
+    if variant not in VARIANTS:
+        raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
     table, _, builtin_ops = served.partition("-")
-    env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","))
-    if variant:
-        env["TENSORFOLD_COMPILE"] = "0"
+    env = dict(os.environ, TENSORFOLD_KERNELS=table, TENSORFOLD_KERNELS_BUILTIN=builtin_ops.replace("+", ","),
+               **VARIANTS[variant])
     done = subprocess.run([sys.executable, script, "--child", *args, "--mode", mode], env=env, capture_output=True,
                           text=True)
     if done.returncode:

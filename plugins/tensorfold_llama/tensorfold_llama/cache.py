@@ -42,11 +42,16 @@ class KVCache:
             raise ValueError(f"cannot trim a cache of {self.offset} tokens (window {self.window}) to {tokens}")
         self.offset = tokens
 
-    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the window's keys and values at offset..; return every key and value up to its last row."""
+    def store(self, layer: int, k: mx.array, v: mx.array) -> None:
+        """Store the window's keys and values at offset.. (a window attention record reads the whole buffer)."""
         end = self.offset + k.shape[2]
         self.keys[layer][..., self.offset:end, :] = k
         self.values[layer][..., self.offset:end, :] = v
+
+    def write(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the window's keys and values at offset..; return every key and value up to its last row."""
+        self.store(layer, k, v)
+        end = self.offset + k.shape[2]
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
 
     def commit(self, rows: int) -> list[mx.array]:

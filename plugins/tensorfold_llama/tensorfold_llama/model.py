@@ -77,6 +77,11 @@ class RoPE(nn.Module):
                             offset=offset, freqs=self._freqs)
 
 
+def row_positions(spans: Sequence[Span]) -> mx.array:
+    """Each packed row's absolute position in its stream, once a forward for every layer's rope."""
+    return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
+
+
 def llama3_freqs(dims: int, base: float, rope: dict) -> mx.array:
     """Llama 3.1 wavelengths: long ones stretched by `factor`, short ones kept, a smooth ramp between."""
     factor = rope["factor"]
@@ -106,6 +111,9 @@ class Attention(nn.Module):
         # the cache's whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
         self.attend = None
         object.__setattr__(self, "qkv", None)  # q, k and v in one launch where a record serves them (serving.py)
+        # True: q and k come roped from the layer's compiled first part, every row at its own position, one launch
+        # for all streams' rows (serving.py, where the window attention record serves); False: roped per stream here
+        self.roped = False
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values of every packed row."""
@@ -113,11 +121,27 @@ class Attention(nn.Module):
             return tuple(self.qkv(x))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def project_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries [rows, heads, head_dim] and keys [rows, kv_heads, head_dim] roped at each row's own position (one
+        rope a row, as a window's rope at its offset computes it), and values [rows, kv_heads, head_dim]."""
+        rows = x.shape[0]
+        q, k, v = self.project(x)
+        q = self.rope(q.reshape(rows, self.n_heads, 1, -1), positions).reshape(rows, self.n_heads, -1)
+        k = self.rope(k.reshape(rows, self.n_kv_heads, 1, -1), positions).reshape(rows, self.n_kv_heads, -1)
+        return q, k, v.reshape(rows, self.n_kv_heads, -1)
+
     def mix(self, queries: mx.array, keys: mx.array, values: mx.array, spans: Sequence[Span],
             layer: int) -> mx.array:
         """Each stream's rows attend over its own cache (the window's keys written there first); rows packed again."""
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
+            if self.roped:  # q and k roped already: keys into the cache, then the record over its whole buffer
+                cache.store(layer, keys[start:start + n].transpose(1, 0, 2)[None],
+                            values[start:start + n].transpose(1, 0, 2)[None])
+                o = self.attend(queries[start:start + n], cache.keys[layer], cache.values[layer], cache.offset,
+                                self.scale, self.sliding_window)
+                outs.append(o.astype(queries.dtype).reshape(n, -1))
+                continue
             q = queries[start:start + n].reshape(1, n, self.n_heads, -1).transpose(0, 2, 1, 3)
             k = keys[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
             v = values[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -163,13 +187,17 @@ class TransformerBlock(nn.Module):
     def before(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x))
 
+    def before_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project_roped(self.input_layernorm(x), positions)
+
     def after(self, x: mx.array, mixed: mx.array) -> mx.array:
         h = x + self.self_attn.o_proj(mixed)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
+    def __call__(self, x: mx.array, spans: Sequence[Span], layer: int, positions: mx.array | None = None) -> mx.array:
         before, after = self.halves
-        return after(x, self.self_attn.mix(*before(x), spans, layer))
+        parts = before(x) if positions is None else before(x, positions)
+        return after(x, self.self_attn.mix(*parts, spans, layer))
 
 
 class LlamaModel(nn.Module):
@@ -236,8 +264,9 @@ class Model(nn.Module):
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
+        positions = row_positions(spans) if self.model.layers[0].self_attn.roped else None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, spans, i)
+            h = layer(h, spans, i, positions)
         close_windows(spans, commit)
         head = self.served_head or (self.model.embed_tokens.as_linear if self.args.tie_word_embeddings
                                     else self.lm_head)

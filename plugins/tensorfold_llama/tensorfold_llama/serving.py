@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, fused, projection_op, swaps
+from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, compiling, fused, projection_op, swaps
 
 from .kernels import records
 from .ops import OPS
+
+# "1": where the layers' parts are compiled, q and k are roped in the first part, every row at its own position, one
+# launch for all streams' rows (not yet measured on a GPU, so off by default; bit-equal on the CPU)
+ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 
 
 def serve_kernels(model, compiled: bool = True) -> dict:
@@ -41,6 +47,10 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     else:
         model.lm_head = linear(model.lm_head)
-    if compiled:
+    if compiled and compiling(usable, kind):
+        if attend is not None and os.environ.get(ROPE_ROWS_ENV) == "1":  # rope in the compiled first part
+            for layer in blocks.layers:
+                object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
+                layer.self_attn.roped = True
         compile_halves(blocks.layers, usable, kind)
     return labels

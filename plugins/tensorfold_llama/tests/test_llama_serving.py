@@ -174,14 +174,20 @@ def test_projections_are_launched_one_by_one_where_fusing_is_turned_off(through_
     assert model.model.layers[0].self_attn.qkv is None and model.model.layers[0].mlp.gate_up is None
 
 
+@pytest.mark.parametrize("rope_rows", ["0", "1"])
 def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for_any_windows(through_records,
-                                                                                             monkeypatch):
+                                                                                             monkeypatch, rope_rows):
+    from tensorfold_llama.serving import ROPE_ROWS_ENV
+
     monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(ROPE_ROWS_ENV, rope_rows)
     compiled, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert type(compiled.model.layers[0].halves[0]) is not MethodType  # mx.compile's wrapper
+    # "1": rope moved into the compiled part, one position a row
+    assert compiled.model.layers[0].self_attn.roped == (rope_rows == "1")
     monkeypatch.setenv(COMPILE_ENV, "0")
     plain, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    assert type(plain.model.layers[0].halves[0]) is MethodType
+    assert type(plain.model.layers[0].halves[0]) is MethodType and not plain.model.layers[0].self_attn.roped
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     caches = {id(m): [m.new_cache(64) for _ in prompts] for m in (compiled, plain)}
     for windows in (prompts, [[7, 8, 9]] * 3, [[11]] * 3):  # three streams' windows a forward, of ragged rows
