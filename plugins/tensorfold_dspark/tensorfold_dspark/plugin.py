@@ -27,6 +27,6 @@ def tensorfold_models():
 
 @hookimpl
 def tensorfold_kernels():
-    from .kernels import RECORD  # mlx and the contract load only when the contract runs
+    from .kernels import records  # mlx and the contract load only when the contract runs
 
-    return [RECORD]
+    return records()

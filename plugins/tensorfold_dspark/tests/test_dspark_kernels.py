@@ -6,7 +6,7 @@ from tensorfold_contract import run_contract
 
 
 def test_the_markov_pick_passes_gates_1_to_4_and_every_planted_control_is_red():
-    report = run_contract(only=["dspark"], seed=20261201)
+    report = run_contract(only=["dspark markov pick"], seed=20261201)
     (kernel,) = report.kernels
     mlx = kernel.implementations["mlx"]
     assert kernel.name == "dspark markov pick" and mlx.status == "pass"

@@ -80,7 +80,7 @@ def _head(case):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from .model import MarkovHead
+    from ..model import MarkovHead
 
     d, dt = case.dims, mx_dtype(case.dims["dtype"])
     head = MarkovHead(d["vocab"], d["rank"])
@@ -95,7 +95,7 @@ def _head(case):
 def _picked(case, previous=None, markov=True, pick=None):
     import mlx.core as mx
 
-    from .model import markov_pick
+    from ..model import markov_pick
 
     if case.rows == 0:
         return {"ids": mx.zeros((0,), mx.int32), "flags": mx.zeros((0,), mx.int32)}
