@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorfold_contract import Control, Finding, KernelRecord, Shape, variant
-from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
+from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, Source, oversize_threadgroup, swap, \
+    variant
+from tensorfold_contract.helpers import WIDEST, int_array, mx_dtype, rounded
+
+from .markov_sources import CUDA, HEADER, METAL
 
 BITS = 8
+THREADS = 1024  # one block a row: its threads stream the whole vocab, so a row gets all of one SM
 TINY = dict(vocab=384, rank=64)  # the tests' tiny drafter
 LFM2_24B = dict(vocab=128000, rank=256)  # LiquidAI's LFM2.5-24B-A2B drafter
 TIE = (2, 3)  # ids whose W2 rows are one row, so a tie between them can be planted
@@ -146,13 +150,54 @@ def markov_dropped(case):
     return _picked(case, markov=False)
 
 
+# --- cuda / metal: one block a row (markov_sources.py) -----------------------------------------------------------------
+
+
+def _team(rank: int) -> int:
+    """Lanes sharing one vocab entry's dot product: one 16-code chunk each, up to 16."""
+    # a function of the rank alone, so each sum's order is too
+    return min(16, 1 << max(0, rank // 16 - 1).bit_length())
+
+
+def _inputs(case):
+    dt = mx_dtype(case.dims["dtype"])
+    packed = [case.array(f"{name}_codes") if part == "codes" else case.array(f"{name}_{part}", dt)
+              for name in ("w1", "w2") for part in ("codes", "scales", "biases")]
+    return [case.array("logits"), case.array("previous"), *packed, int_array([case.rows, case.dims["vocab"]])]
+
+
+def _launch(case):
+    import mlx.core as mx
+
+    rank, group = case.dims["rank"], case.dims["group"]
+    if rank % 16 or group % 16 or rank % group:
+        raise ValueError(f"rank {rank}, group {group}: the kernels read 16-code chunks that lie within one group")
+    return Launch(grid=(case.rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+                  output_shapes=((case.rows,), (case.rows,)), output_dtypes=(mx.int32, mx.int32),
+                  template=(("RANK", rank), ("GROUP", group), ("TEAM", _team(rank)),
+                            ("T", mx_dtype(case.dims["dtype"]))),
+                  static_shared=3 * 32 * 4)  # each warp's best score, id and NaN flag
+
+
+def source(kind: str) -> Source:
+    names = ("logits", "previous", "w1_codes", "w1_scales", "w1_biases", "w2_codes", "w2_scales", "w2_biases",
+             "dims")
+    return Source("dspark_markov_pick", names, ("ids", "flags"), CUDA if kind == "cuda" else METAL,
+                  inputs=_inputs, launch=_launch, header=HEADER)
+
+
+# A tie flipped to the highest id once the call holds more than one row: a fold whose order follows the row count
+# shows only where two scores tie exactly (make's gaps keep every other pick clear of any fp32 order)
+TIES_BY_ROW_COUNT = swap("(i) < (bi)", "(rows > 1 ? (i) > (bi) : (i) < (bi))", where="header")
+
+
 def _shape(label, vocab, rank, dtype="float32", rows=WIDEST, group=64, heavy=False):
     return Shape(label, {"vocab": vocab, "rank": rank, "dtype": dtype, "group": group}, rows, heavy=heavy)
 
 
 # Seen on the H200 (contract/receipts/h200-2026-12-01-lfm2): picks off the float64 one on near ties (gate 2) and
 # rows that depend on the call's row count (gate 4). A draft that differs costs acceptance, never a reply's ids:
-# the target verifies every draft. A cuda implementation is issue 13's kernel-records item.
+# the target verifies every draft. The cuda implementation sums each row in one fixed order, whatever the row count.
 ON_CUDA = tuple(Finding("MLX's CUDA matmul is TF32-like and not row-invariant, and the mlx implementation is composed "
                         "of it: on CUDA a draft may differ from the float64 pick (the target still verifies it)",
                         kind="mlx", gate=gate, backend="cuda", mlx="0.32.4") for gate in (2, 4))
@@ -164,7 +209,7 @@ RECORD = KernelRecord(
                 "(ties to the lowest id, NaN never wins and flags the row)",
     make=make,
     reference=reference,
-    implementations={"mlx": mlx_pick},
+    implementations={"mlx": mlx_pick, "cuda": source("cuda"), "metal": source("metal")},
     shapes=(_shape("tiny drafter", **TINY), _shape("tiny drafter bf16", **TINY, dtype="bfloat16"),
             _shape("LFM2.5-24B-A2B drafter bf16", **LFM2_24B, dtype="bfloat16", heavy=True)),
     edges=(_shape("1 row", **TINY, rows=1), _shape("rank 96, group 32", 1000, 96, group=32, rows=7),
@@ -176,5 +221,11 @@ RECORD = KernelRecord(
         Control("NaN wins", "mlx", 2, variant(nan_wins)),
         Control("W1 of the next row's token", "mlx", 2, variant(previous_of_the_next_row)),
         Control("Markov term dropped", "mlx", 2, variant(markov_dropped)),
+        Control("ties to the highest id", "cuda", 2, swap("(i) < (bi)", "(i) > (bi)", where="header")),
+        Control("NaN rows not flagged", "cuda", 2, swap("hasnan = 1;", "hasnan = 0;")),
+        Control("W1 of the next row's token", "cuda", 2, swap("previous[row]", "previous[min(row + 1, rows - 1)]")),
+        Control("row-count-dependent tie order in the fold", "cuda", 4, TIES_BY_ROW_COUNT),
+        Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
+        Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
     ),
 )
