@@ -6,8 +6,9 @@
 #                                 upload, and print the run calls to make
 #   tools/device/stage.sh full    put the weights back (at once after the MLX calls: see below)
 #   tools/device/stage.sh sizes   what each call would upload now, in MiB
-#   tools/device/stage.sh head    .head/code.tar: HEAD's code (no weights); a call that carries .head and starts
-#                                 with `tar xf .head/code.tar` runs the commit, not a colleague's unsaved edits
+#   tools/device/stage.sh head    .head/code.tar.gz: HEAD's code (no weights, compressed: the tree with the weights
+#                                 is ~61.5 of the 64 MiB); a call that carries .head and starts with
+#                                 `tar xzf .head/code.tar.gz` runs the commit, not a colleague's unsaved edits
 # The device tool uploads every file git tracks, ignore rules or not, so `light` takes the weights out of git's
 # index (the files stay on disk; the entries are saved in .git/) and ignores them through .git/info/exclude;
 # `full` puts the saved entries back exactly. Until then `git status` shows the weights as deleted: run `full`
@@ -99,10 +100,11 @@ MSG
     mkdir -p .head
     grep -qxF "/.head/" "$exclude" 2>/dev/null || echo "/.head/" >> "$exclude"
     mapfile -t code < <(git ls-files -- plugins | grep -v '/models/')
-    git archive -o .head/code.tar HEAD tensorfold_core contract bench tools "${code[@]}"
-    echo "HEAD $(git rev-parse --short HEAD)'s code in .head/code.tar ($(bytes_of .head/code.tar) bytes)."
+    rm -f .head/code.tar
+    git archive --format=tar.gz -9 -o .head/code.tar.gz HEAD tensorfold_core contract bench tools "${code[@]}"
+    echo "HEAD $(git rev-parse --short HEAD)'s code in .head/code.tar.gz ($(bytes_of .head/code.tar.gz) bytes)."
     echo "Carry [\".head\"] and start the command with:"
-    echo "  tar xf .head/code.tar && export TF_COMMIT=$(git rev-parse --short HEAD) && ..."
+    echo "  tar xzf .head/code.tar.gz && export TF_COMMIT=$(git rev-parse --short HEAD) && ..."
     ;;
   *)
     sed -n '2,15p' "$0" >&2
