@@ -6,12 +6,16 @@
 # drafted reply must equal the plain one token for token (check_same_ids) before any rate is printed. Rates count
 # decode rounds only (the prompt's prefill round left out), as `tensorfold run --json` does. A mode
 # `records-OP+OP` serves the records but leaves those ops (the family's table names) to MLX: where the time goes.
+# --streams 4,8 adds cells of that many replies decoded at once on one engine (shared rounds where the probe passes),
+# plain and drafted: aggregate tok/s over the cell's wall time, prefill included, each reply's ids checked against
+# the same prompt decoded alone and plain.
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 from common import CODE_PROMPTS, check_same_ids, exit_code, kernel_mode_child
 
@@ -52,6 +56,8 @@ def child(args) -> dict:
             decode(engine, request(text), len(request(text).prompt_ids) + args.tokens)
     out = {"mode": args.mode, "device": str(mx.default_device()), "kernels": model.kernels,
            "probe": target.probe, "prompts": []}
+    for n in args.streams:  # compiles the wider rows' shapes, then the timed cells
+        together(model, engines()[1], [request(prompts[i % len(prompts)]) for i in range(n)])
     for text in prompts:
         plain, drafted = engines()
         req = request(text)
@@ -62,7 +68,31 @@ def child(args) -> dict:
                                "plain_tok_s": round(decode_rate(plain_rounds, len(plain_ids)), 1),
                                "drafted_tok_s": round(decode_rate(drafted_rounds, len(drafted_ids)), 1),
                                "drafted_rounds": len(drafted_rounds), "plain_rounds": len(plain_rounds)})
+    out["streams"] = []
+    for n in args.streams:
+        requests = [request(prompts[i % len(prompts)]) for i in range(n)]
+        cell = {"streams": n, "prompt_of": [i % len(prompts) for i in range(n)]}
+        for name, engine in zip(("plain", "drafted"), engines()):
+            ids, seconds = together(model, engine, requests)
+            cell[f"{name}_ids"], cell[f"{name}_tok_s"] = ids, round(sum(map(len, ids)) / seconds, 1)
+        out["streams"].append(cell)
     return out
+
+
+def together(model, engine, requests) -> tuple[list[list[int]], float]:
+    """Every request on one engine at once: each reply's ids, and the wall seconds until the last one ended."""
+    from tensorfold_core.lanes.stream import Stream
+    from tensorfold_core.lanes.types import TokenEvent
+
+    events: list[list] = [[] for _ in requests]
+    start = time.perf_counter()
+    for i, req in enumerate(requests):
+        limit = len(req.prompt_ids) + req.max_tokens
+        engine.add(Stream(id=i, request=req, cache=model.new_cache(limit), on_event=events[i].append, limit=limit))
+    while not engine.idle():
+        engine.round()
+    seconds = time.perf_counter() - start
+    return [[t for e in got if isinstance(e, TokenEvent) for t in e.token_ids] for got in events], seconds
 
 
 def mean(values: list[float]) -> float:
@@ -77,21 +107,29 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3, help="the first N code prompts")
     parser.add_argument("--modes", default="builtin,records")
+    parser.add_argument("--streams", default="", help="cells of N replies at once, e.g. 4,8")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.streams = [int(n) for n in args.streams.split(",") if n.strip()]
     if args.child:
         print(json.dumps(child(args)))
         return 0
     results = [kernel_mode_child(__file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens",
-                                 str(args.tokens), "--prompts", str(args.prompts)) for mode in args.modes.split(",")]
+                                 str(args.tokens), "--prompts", str(args.prompts), "--streams",
+                                 ",".join(map(str, args.streams))) for mode in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     for r in results:  # ids first: a drafted reply off its plain one fails the run before any rate is read
         for i, p in enumerate(r["prompts"]):
             check_same_ids(f"{r['mode']}: drafted vs plain, prompt {i}", p["plain_ids"], p["drafted_ids"])
+        for cell in r.get("streams", []):
+            for kind in ("plain", "drafted"):
+                for j, (ids, prompt) in enumerate(zip(cell[f"{kind}_ids"], cell["prompt_of"])):
+                    check_same_ids(f"{r['mode']}: {cell['streams']} streams {kind}, reply {j} vs its prompt alone",
+                                   r["prompts"][prompt]["plain_ids"], ids)
     first = results[0]
     width = max(9, *(len(r["mode"]) for r in results))
     print(f"{'mode':<{width}} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "
@@ -103,6 +141,14 @@ def main() -> int:
         same = all(p["plain_ids"] == q["plain_ids"] for p, q in zip(r["prompts"], first["prompts"]))
         print(f"{r['mode']:<{width}} {str(r['probe']['row_invariant']):<6} {plain:>11.1f} {drafted:>13.1f} "
               f"{drafted / plain if plain else 0:>13.2f} {rounds:>7}  {same}")
+    if any(r.get("streams") for r in results):
+        print(f"\n{'mode':<{width}} {'streams':>7} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13}"
+              "  (aggregate, prefill included; every reply's ids as its prompt alone)")
+        for r in results:
+            for cell in r.get("streams", []):
+                plain, drafted = cell["plain_tok_s"], cell["drafted_tok_s"]
+                print(f"{r['mode']:<{width}} {cell['streams']:>7} {plain:>11.1f} {drafted:>13.1f} "
+                      f"{drafted / plain if plain else 0:>13.2f}")
     return 0
 
 
