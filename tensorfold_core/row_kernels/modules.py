@@ -182,23 +182,23 @@ def swap_tree(module: nn.Module, projection: Swap, norm: Swap) -> None:
 
 
 class ShapeCompiled:
-    """`fn` mx.compile'd once for each row count (the first axis of its first input, or `key` of its inputs): each
-    compiled function holds the one trace, and past `keep` of them the least recently used is dropped with its trace,
-    so a server meeting ever new prompt lengths does not grow MLX's compile cache without end."""
+    """`fn` mx.compile'd once for each row count (the first axis of its first input): each compiled function holds
+    the one trace, and past `keep` of them the least recently used is dropped with its trace, so a server meeting
+    ever new prompt lengths does not grow MLX's compile cache without end."""
 
-    def __init__(self, fn: Callable, keep: int = 64, key: Callable | None = None):
-        self.fn, self.keep, self.key = fn, keep, key or (lambda first, *rest: first.shape[0])
+    def __init__(self, fn: Callable, keep: int = 64):
+        self.fn, self.keep = fn, keep
         self.compiled: dict = {}
 
-    def __call__(self, *arrays):
-        key = self.key(*arrays)
-        compiled = self.compiled.pop(key, None)
+    def __call__(self, first: mx.array, *rest: mx.array):
+        rows = first.shape[0]
+        compiled = self.compiled.pop(rows, None)
         if compiled is None:
             compiled = mx.compile(self.fn)
             if len(self.compiled) >= self.keep:
                 del self.compiled[next(iter(self.compiled))]
-        self.compiled[key] = compiled  # last in the dict: the most recently used
-        return compiled(*arrays)
+        self.compiled[rows] = compiled  # last in the dict: the most recently used
+        return compiled(first, *rest)
 
 
 def compiling(usable: Mapping[str, object], kind: str) -> bool:
