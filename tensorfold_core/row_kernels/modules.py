@@ -211,14 +211,15 @@ def compiling(usable: Mapping[str, object], kind: str) -> bool:
 
 def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str,
                    traceable: Callable[[nn.Module], Sequence[bool]] | None = None) -> bool:
-    """Compile each layer's cache-free parts (its `halves`) where `compiling` says, those `traceable` allows (a part
-    that reads arrays on the host, an MoE's picks, runs op by op). Weights are read at the trace, so they are fixed
-    from here; every row count, window and stream goes through the same parts, so the row invariance is the
-    kernels' own."""
+    """Compile each layer's cache-free parts (its `halves`, or else its `before` and `after`) where `compiling` says,
+    those `traceable` allows (a part that reads arrays on the host, an MoE's picks, runs op by op). Weights are read
+    at the trace, so they are fixed from here; every row count, window and stream goes through the same parts, so
+    the row invariance is the kernels' own."""
     if not compiling(usable, kind):
         return False
     for layer in layers:
-        allowed = traceable(layer) if traceable else [True] * len(layer.halves)
+        halves = layer.halves or (layer.before, layer.after)
+        allowed = traceable(layer) if traceable else [True] * len(halves)
         object.__setattr__(layer, "halves", tuple(ShapeCompiled(half) if ok else half
-                                                  for half, ok in zip(layer.halves, allowed)))
+                                                  for half, ok in zip(halves, allowed)))
     return True

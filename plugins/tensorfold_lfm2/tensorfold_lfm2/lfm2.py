@@ -186,8 +186,10 @@ class DecoderLayer(nn.Module):
         self.operator_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
 
-        # the parts of a layer with no cache in them, as (before, after); mx.compile'd where records serve on a GPU
-        object.__setattr__(self, "halves", (self.before, self.after))
+        # the parts of a layer with no cache in them, as (before, after), mx.compile'd where records serve on a GPU;
+        # None: the methods themselves (kept out of the attribute, whose bound methods would make a reference cycle
+        # that keeps a dropped model's weights alive until the next garbage collection)
+        object.__setattr__(self, "halves", None)
 
     @property
     def op(self) -> nn.Module:
@@ -201,7 +203,7 @@ class DecoderLayer(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
-        before, after = self.halves
+        before, after = self.halves or (self.before, self.after)
         return after(x, *self.op.mix(*before(x), spans, slot))
 
 

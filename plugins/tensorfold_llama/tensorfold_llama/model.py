@@ -181,8 +181,10 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        # the parts of a layer with no cache in them, as (before, after); mx.compile'd where records serve on a GPU
-        object.__setattr__(self, "halves", (self.before, self.after))
+        # the parts of a layer with no cache in them, as (before, after), mx.compile'd where records serve on a GPU;
+        # None: the methods themselves (kept out of the attribute, whose bound methods would make a reference cycle
+        # that keeps a dropped model's weights alive until the next garbage collection)
+        object.__setattr__(self, "halves", None)
 
     def before(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x))
@@ -195,7 +197,7 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int, positions: mx.array | None = None) -> mx.array:
-        before, after = self.halves
+        before, after = self.halves or (self.before, self.after)
         parts = before(x) if positions is None else before(x, positions)
         return after(x, self.self_attn.mix(*parts, spans, layer))
 
