@@ -172,8 +172,9 @@ class Run:
 
     def step(self):
         self.admit()
-        self.round_rows.append([len(t.window) for t in self.engine.plan()])
-        return self.engine.round()
+        ran = self.engine.round()
+        self.round_rows.append(self.engine.last_windows)  # planned once, as the server plans it
+        return ran
 
     def finish(self):
         while self.waiting or not self.engine.idle():

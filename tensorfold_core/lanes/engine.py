@@ -58,6 +58,7 @@ class Engine:
         self._asked: list[Turn] = []
         self.streams: dict[int, Stream] = {}
         self.rounds = 0
+        self.last_windows: list[int] = []  # each window's rows in the last round (round() sets it)
         self.counters = SpecCounters()
 
     def add(self, stream: Stream) -> None:
@@ -188,6 +189,7 @@ class Engine:
         for stream in [s for s in self.streams.values() if s.cancelled]:
             self._leave(stream, "cancelled")
         turns = self.plan()
+        self.last_windows = [len(t.window) for t in turns]  # what the round ran, for tests and figures
         if not turns:
             return False
         groups = [turns] if self.shared_rounds else [[turn] for turn in turns]
