@@ -11,7 +11,7 @@ from .kernels import records
 from .ops import OPS
 
 # "1": where the layers' parts are compiled, q and k are roped in the first part, every row at its own position, one
-# launch for all streams' rows (not yet measured on a GPU, so off by default; bit-equal on the CPU)
+# launch for all streams' rows; off until a GPU run shows that it pays and stays exact (docs/gpu.md)
 ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 
 
