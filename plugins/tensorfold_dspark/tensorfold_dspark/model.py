@@ -153,12 +153,19 @@ class Attention(nn.Module):
         for start, n, offset, lane in blocks:  # projections are packed; attention runs per block on its context
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
             q, k = self.rope(q, offset), self.rope(k, offset)
-            k = mx.concatenate([lane.keys[layer][..., :lane.n, :], k], axis=2)
-            v = mx.concatenate([lane.values[layer][..., :lane.n, :], v], axis=2)
-            # no mask: every block row sees the whole context and every row of its block, its later rows too
-            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=None)
+            o = block_attention(q, lane.keys[layer], lane.values[layer], lane.n, k, v, self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
+
+
+def block_attention(q: mx.array, context_keys: mx.array, context_values: mx.array, n: int, block_keys: mx.array,
+                    block_values: mx.array, scale: float) -> mx.array:
+    """A block's rows [1, heads, B, dim] over the lane's first n context keys and the block's own keys, with no mask:
+    every block row sees the whole context and every row of its block, its later rows too (the kernel record
+    `dspark block attention` proves this call)."""
+    k = mx.concatenate([context_keys[..., :n, :], block_keys], axis=2)
+    v = mx.concatenate([context_values[..., :n, :], block_values], axis=2)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
 
 
 class MLP(nn.Module):

@@ -53,13 +53,23 @@ def check(q, context_keys, context_values, n: int, block_keys, block_values) -> 
 
 
 def mlx_block_attention(q, context_keys, context_values, n: int, block_keys, block_values, scale: float):
-    """The drafter's own call (model.Attention): the context's first n keys and the block's, one SDPA, no mask."""
-    return _attend(q, context_keys, context_values, n, block_keys, block_values, scale)
+    """The drafter's own call, `model.block_attention`, on the record's layouts; float32 out."""
+    import mlx.core as mx
+
+    from ..model import block_attention
+
+    rows, heads, dim, kv_heads, capacity, block = check(q, context_keys, context_values, n, block_keys, block_values)
+    if rows == 0:
+        return mx.zeros((0, heads, dim), mx.float32)
+    context = [a.reshape(1, kv_heads, capacity, dim) for a in (context_keys, context_values)]
+    own = [a.reshape(1, kv_heads, block, dim) for a in (block_keys, block_values)]
+    o = block_attention(q[None].transpose(0, 2, 1, 3), context[0], context[1], n, own[0], own[1], scale)
+    return o[0].transpose(1, 0, 2).astype(mx.float32)
 
 
 def _attend(q, context_keys, context_values, n: int, block_keys, block_values, scale: float, *,
             context_end: int | None = None, block_end: int | None = None, causal: bool = False):
-    """mlx_block_attention, with the knobs the planted defects turn (served: none of them); float32 out."""
+    """The drafter's call written out with the knobs the planted defects turn (served: model.block_attention)."""
     import mlx.core as mx
 
     rows, heads, dim, kv_heads, capacity, block = check(q, context_keys, context_values, n, block_keys, block_values)
