@@ -1,4 +1,4 @@
-"""The DSpark block attention record on the CPU: it passes, its controls go red, and it is the drafter's own call."""
+"""The DSpark block attention record on the CPU: its shape is the shipped drafter's, and it is the drafter's own call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tensorfold_contract import run_contract
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_dspark.kernels.block_attention import RECORD, TINY, mlx_block_attention
 from tensorfold_dspark.lane import Lane
@@ -15,18 +14,6 @@ from tensorfold_dspark.model import Block, Span
 from tensorfold_dspark.plugin import MODELS
 
 SHIPPED = MODELS / "tiny-lfm2-moe-dspark"
-
-
-def test_the_block_attention_passes_gates_1_to_4_and_every_control_that_runs_here_is_red():
-    report = run_contract(only=["dspark block attention"], seed=20261202)
-    (kernel,) = report.kernels
-    mlx = kernel.implementations["mlx"]
-    assert kernel.name == "dspark block attention" and mlx.status == "pass"
-    assert [mlx.gates[g].status for g in (1, 2, 3, 4)] == ["pass"] * 4
-    ran = [c for c in kernel.controls if not c.status.startswith("not run")]
-    assert sum(c.kind == "mlx" for c in ran) >= 2 and {c.kind for c in ran} == {"mlx", "cuda", "metal"}
-    assert all(c.status == "red" for c in ran), [(c.name, c.status, c.detail) for c in ran]
-    assert report.summary()["missed"] == 0
 
 
 def test_the_record_s_tiny_shape_is_the_shipped_drafter_s_attention():

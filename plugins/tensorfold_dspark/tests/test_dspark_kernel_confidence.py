@@ -1,4 +1,4 @@
-"""The confidence head under the kernel contract on the CPU: it passes, its controls go red, it is the served head."""
+"""The confidence head record on the CPU: its shape is the shipped head's, its mlx implementation the served one."""
 
 from __future__ import annotations
 
@@ -6,25 +6,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tensorfold_contract import Case, run_contract
+from tensorfold_contract import Case
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_dspark.kernels.confidence import RECORD, mlx_confidence
 from tensorfold_dspark.load import load
 from tensorfold_dspark.plugin import MODELS
 
 SHIPPED = MODELS / "tiny-lfm2-moe-dspark"
-
-
-def test_the_confidence_head_passes_gates_1_to_4_and_every_planted_control_that_runs_here_is_red():
-    report = run_contract(only=["dspark confidence head"], seed=20261202)
-    (kernel,) = report.kernels
-    mlx = kernel.implementations["mlx"]
-    assert kernel.name == "dspark confidence head" and mlx.status == "pass"
-    assert [mlx.gates[g].status for g in (1, 2, 3, 4)] == ["pass"] * 4
-    ran = [c for c in kernel.controls if not c.status.startswith("not run")]
-    assert {c.kind for c in ran} >= {"mlx", "cuda", "metal"}  # the launch-limit controls run without a device
-    assert sum(c.kind == "mlx" for c in ran) >= 2 and all(c.status == "red" for c in ran)
-    assert report.summary()["missed"] == 0
 
 
 def test_the_records_tiny_shape_is_the_shipped_drafters_confidence_width():
