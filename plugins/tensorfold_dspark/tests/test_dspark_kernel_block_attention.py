@@ -1,4 +1,4 @@
-"""The DSpark block attention record on the CPU: its shape is the shipped drafter's, and it is the drafter's own call."""
+"""The DSpark block attention record on the CPU: its shape is the shipped drafter's, its mlx implementation its call."""
 
 from __future__ import annotations
 
