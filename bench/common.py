@@ -203,14 +203,15 @@ class BenchMismatch(Exception):
     """A cell's output is not its reference's: it gets no speed, and the benchmark exits 1."""
 
 
-VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENSORFOLD_ROPE_ROWS": "1"}}
+VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENSORFOLD_ROPE_ROWS": "1"},
+            "in-step": {"TENSORFOLD_LOOKAHEAD": "0"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
     read at load; a mode `TABLE-OP+OP` leaves those ops to MLX; one ending `:op-by-op` compiles no layer part,
-    TENSORFOLD_COMPILE=0, and `:rope-rows` ropes q and k in the compiled part, TENSORFOLD_ROPE_ROWS=1): the JSON its
-    last line prints."""
+    TENSORFOLD_COMPILE=0, `:rope-rows` ropes q and k in the compiled part, TENSORFOLD_ROPE_ROWS=1, and `:in-step`
+    runs no round ahead, TENSORFOLD_LOOKAHEAD=0): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

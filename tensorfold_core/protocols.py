@@ -69,6 +69,15 @@ class TappedRows:
 
 
 @runtime_checkable
+class LookaheadModel(Model, Protocol):
+    """A model whose commits can wait: the engine runs a plain greedy round's next step on the device's argmax
+    while the host reads this round's logits (lanes/ahead.py); a model without it runs every round in step."""
+
+    def keep_later(self, cache: Cache, rows: int) -> list:
+        """`keep` without waiting: the same checks and commit, returning the arrays to evaluate with the next step."""
+
+
+@runtime_checkable
 class TappedModel(Model, Protocol):
     """A model whose `taps` > 0: it hands a drafter (DSpark) the rows of the layers it names, and binds the drafter
     to its own embedding and head. A drafter checks `taps` first; core never calls these."""

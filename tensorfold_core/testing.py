@@ -152,9 +152,9 @@ def window_logits(model, tokens: list[int], windows: list[int] | None = None, ca
 class Run:
     """Drives an engine round by round: arrivals join between rounds up to `parallel` streams."""
 
-    def __init__(self, model, parallel, chunk=8):
+    def __init__(self, model, parallel, chunk=8, lookahead=None):
         self.model, self.parallel = model, parallel
-        self.engine = Engine(model, prefill_chunk=chunk)
+        self.engine = Engine(model, prefill_chunk=chunk, lookahead=lookahead)
         self.events: dict[int, list] = {}
         self.waiting = []
         self.round_rows = []

@@ -9,6 +9,7 @@ import numpy as np
 from typing import cast
 
 from ..protocols import DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HoldPricedDrafter, Model
+from .ahead import Lookahead
 from .copy import RECALL, CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
@@ -41,8 +42,12 @@ class Engine:
 
     def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
                  drafter: Drafter | None = None, max_depth: int = MAX_DRAFT_DEPTH, timed: bool = False,
-                 fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None, recall=None):
+                 fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None, recall=None,
+                 lookahead: bool | None = None):
         self.model = model
+        # a greedy round of streams that cannot draft queues its next step before the host reads it (None:
+        # TENSORFOLD_LOOKAHEAD, default on)
+        self.ahead = Lookahead(model, lookahead)
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
         self.shared_rounds = shared_rounds
@@ -88,6 +93,11 @@ class Engine:
         room = min(stream.request.max_tokens - stream.generated, stream.limit - len(stream.tokens)) - 1
         return max(0, min(self.max_depth, room))
 
+    def _may_draft(self, stream: Stream) -> bool:
+        """Whether the stream's next window may carry drafts (a copy, a grammar's forced run, the drafter's)."""
+        return self.depth_for(stream) > 0 and (self.drafter is not None or self.copy_drafts
+                                               or stream.stage.constraint is not None)
+
     def plan(self) -> list[Turn]:
         """Every decoding stream's pending token and drafts, plus prompt chunks up to one chunk's rows."""
         turns, prefill_rows = [], 0
@@ -119,6 +129,7 @@ class Engine:
             return True
         if first.prefilling or first.generated == 0:
             return False
+        self.ahead.drop()  # a snapshot takes a cache with no window open
         state = self.model.snapshot(first.cache)
         usable = state.resume_point(stream.prompt_len - 1)
         if usable > 0:
@@ -195,25 +206,32 @@ class Engine:
         groups = [turns] if self.shared_rounds else [[turn] for turn in turns]
         verified = {}
         for group in groups:
-            verified.update(self._run(group))
+            verified.update(self._run(group, ahead=len(groups) == 1))
         if self._asked and self.fixed_depth is None:
             self.planner.observe([verified.get(id(t), Verified(len(t.drafts), 0, 0)) for t in self._asked])
         self.rounds += 1
         return True
 
-    def _run(self, group: list[Turn]) -> dict:
-        """One forward for the group's windows; returns what each drawing window verified."""
-        verified = {}
+    def _run(self, group: list[Turn], ahead: bool = False) -> dict:
+        """One forward for the group's windows (queued by the last round where it ran ahead); returns what each
+        drawing window verified."""
+        verified, tokens = {}, None
         try:
-            logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
-                                        [1 + len(t.drafts) if t.draws else 0 for t in group])
+            logits = self.ahead.take(group)
+            if logits is None:
+                logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
+                                            [1 + len(t.drafts) if t.draws else 0 for t in group])
+            # only streams that cannot draft run ahead: a step the next round's drafts replace is a forward wasted
+            if ahead and self.ahead.eligible(group) and not any(self._may_draft(t.stream) for t in group):
+                tokens = self.ahead.launch(group, logits)  # each window's row kept: the next step is queued
             rows = np.array(logits, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
+            self.ahead.drop()
             for turn in group:
                 turn.stream.emit(ErrorEvent(error=exc))
                 self._forget(turn.stream, kept=False)
             return verified
-        row = 0
+        row, firsts = 0, []
         for turn in group:
             stream = turn.stream
             if not turn.draws:
@@ -223,9 +241,11 @@ class Engine:
             draws, logprobs = stream.stage.verify(rows[row:row + n], turn.drafts, stream.request.sampling,
                                                   stream.seed, len(stream.tokens))
             row += n
+            firsts.append(draws[0])
             accepted = accepted_prefix(turn.drafts, draws)
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
-            self.model.keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
+            if tokens is None:  # a round that ran ahead kept its one row already
+                self.model.keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
             self._count(turn, accepted)
             before = len(stream.tokens)
             shown = stream.commit(draws[:accepted + 1])
@@ -234,6 +254,8 @@ class Engine:
             verified[id(turn)] = Verified(len(turn.drafts), accepted, len(stream.tokens) - before)
             if stream.finish_reason:
                 self._leave(stream)
+        if tokens is not None:
+            self.ahead.confirm(firsts, tokens)
         return verified
 
     def _count(self, turn: Turn, accepted: int) -> None:
@@ -246,6 +268,7 @@ class Engine:
             self.copy.observe(turn.stream.id, len(turn.drafts), accepted)
 
     def _forget(self, stream: Stream, kept: bool = True) -> None:
+        self.ahead.drop()  # a queued step for a leaving stream is closed before its state goes back
         self.streams.pop(stream.id, None)
         self.copy.release(stream.id)
         self.planner.leave(stream.id)

@@ -302,8 +302,12 @@ class Model(nn.Module):
         return picked_logits(h, pick, self.model.embedding_norm, self._head(), self.vocab_size)
 
     def keep(self, cache: HybridCache, rows: int) -> None:
+        mx.eval(self.keep_later(cache, rows))  # cut the graph: a window whose rows gave no logits is computed here
+
+    def keep_later(self, cache: HybridCache, rows: int) -> list[mx.array]:
+        """keep() without waiting: the arrays that hold the commit, for the caller to evaluate with its next step."""
         check_keep(cache, rows)
-        mx.eval(cache.commit(rows))  # cut the graph: a window whose rows gave no logits is computed here
+        return cache.commit(rows)
 
     # -- taps (a TappedModel): the layers' rows a drafter reads, and the embedding and head it is bound to --
 

@@ -1,0 +1,103 @@
+"""Lookahead: a plain greedy round queues its next step on the device's argmax while the host reads its logits."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..protocols import LookaheadModel
+
+# TENSORFOLD_LOOKAHEAD=0 runs every round in step (to measure what the overlap gives)
+LOOKAHEAD_ENV = "TENSORFOLD_LOOKAHEAD"
+
+
+@dataclass
+class Launched:
+    """A next step queued on the device: its caches (each with the step's window open) and its logits."""
+
+    caches: list
+    tokens: mx.array  # the ids it runs: the device's argmax of the launching round's rows
+    logits: mx.array
+    ids: list[int] | None = None  # those ids on the host, once the launching round's own draws equalled them
+
+
+class Lookahead:
+    """Overlaps the host's half of a decode round with the device's: while the host reads round n's logits, draws,
+    emits and plans, the device already runs round n + 1 on round n's argmax. The step is used only where round
+    n + 1's plan is exactly that window for the same streams (one row each, no drafts, the host's greedy draws equal
+    to the device's argmax); anything else closes its windows unkept, as a rejected draft's rows are, so a reply's
+    ids are the ones a round in step gives."""
+
+    def __init__(self, model, enabled: bool | None = None):
+        self.model = model
+        on = os.environ.get(LOOKAHEAD_ENV, "1") != "0" if enabled is None else enabled
+        self.on = on and isinstance(model, LookaheadModel)
+        self.launched: Launched | None = None
+        self.used = 0  # steps taken from the device as queued (tests and figures)
+
+    def eligible(self, turns: Sequence) -> bool:
+        """Every window is one pending token that draws greedily, with no drafts, and the stream goes on after it."""
+        return self.on and all(t.draws and not t.drafts and len(t.window) == 1 and t.stream.stage.plain
+                               and t.stream.request.sampling.greedy and _goes_on(t.stream) for t in turns)
+
+    def take(self, turns: Sequence) -> mx.array | None:
+        """The queued logits where this round's windows are the queued step's; otherwise None, the step closed."""
+        launched, self.launched = self.launched, None
+        if launched is None:
+            return None
+        same = launched.ids is not None and len(turns) == len(launched.caches) and all(
+            t.stream.cache is cache and t.window == [token] and t.draws and not t.drafts
+            for t, cache, token in zip(turns, launched.caches, launched.ids))
+        if same:
+            self.used += 1
+            return launched.logits
+        self._close(launched)
+        return None
+
+    def launch(self, turns: Sequence, logits: mx.array) -> mx.array:
+        """Queue this round and its argmax, keep each window's one row, and queue the next step on the argmax;
+        returns the argmax for `confirm` (the host's draws must equal it)."""
+        tokens = mx.argmax(logits, axis=-1)
+        caches = [t.stream.cache for t in turns]
+        kept = [a for cache in caches for a in self.model.keep_later(cache, 1)]
+        mx.async_eval(logits, tokens, kept)
+        try:
+            ahead = self.model.forward_ids(caches, tokens, [1] * len(caches), [1] * len(caches))
+        except ValueError:  # a step the model refuses (a cache at its capacity): the next round runs in step
+            return tokens
+        mx.async_eval(ahead)
+        self.launched = Launched(caches, tokens, ahead)
+        return tokens
+
+    def confirm(self, draws: list[int], tokens: mx.array) -> None:
+        """The host's draws for the launching round: the queued step stands only where they equal its ids."""
+        if self.launched is None or self.launched.tokens is not tokens:
+            return
+        ids = [int(i) for i in np.array(tokens)]
+        if ids == draws:
+            self.launched.ids = ids
+        else:  # a tie or a NaN the host breaks otherwise: that step ran on another id
+            self.drop()
+
+    def drop(self) -> None:
+        """Close a queued step's windows unkept (a stream leaves, a snapshot is taken, a round fails)."""
+        launched, self.launched = self.launched, None
+        if launched is not None:
+            self._close(launched)
+
+    def _close(self, launched: Launched) -> None:
+        for cache in launched.caches:
+            if cache.window is not None:
+                try:
+                    self.model.keep(cache, 0)
+                except Exception:  # a failed step: its streams are ended by the round that reads it
+                    cache.window = None
+
+
+def _goes_on(stream) -> bool:
+    """Whether the stream has room past this round's token (a step after its last token would only be closed)."""
+    return min(stream.request.max_tokens - stream.generated, stream.limit - len(stream.tokens)) > 1

@@ -1,0 +1,103 @@
+"""Lookahead: a plain greedy round queues its next step on the device's argmax, and every reply's ids stay those
+of rounds run in step, whoever joins, leaves, is cancelled, samples or shares a prompt."""
+
+import random
+
+import pytest
+
+from tensorfold_core.lanes.ahead import LOOKAHEAD_ENV, Lookahead
+from tensorfold_core.lanes.rows import Penalties
+from tensorfold_core.lanes.types import GenerationRequest
+from tensorfold_core.loading import load_model
+from tensorfold_core.sampling import SamplingParams
+from tensorfold_core.testing import Run, tiny_llama_checkpoint
+
+
+@pytest.fixture(scope="module", params=["llama", "tiny-lfm2", "tiny-lfm2-moe-4bit"])
+def model(request, tmp_path_factory):
+    if request.param == "llama":
+        return load_model(str(tiny_llama_checkpoint(tmp_path_factory.mktemp("ahead"), seed=5)))[0]
+    return load_model(request.param)[0]  # the hybrid cache: conv states closed unkept, as a rejected draft's
+
+
+def mixed_requests(n, vocab, seed):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(6, vocab) for _ in range(rng.randrange(1, 30))]
+        sampling = SamplingParams(temperature=0.8, seed=7 + i) if i % 4 == 3 else SamplingParams()
+        # draft=False: no copy drafts, so plain rounds (the ones that run ahead) are most of the run
+        out.append(GenerationRequest(prompt_ids=prompt, max_tokens=rng.randrange(3, 24), sampling=sampling,
+                                     draft=False))
+    return out
+
+
+def replies(model, requests, parallel, lookahead, cancel_at=None):
+    run = Run(model, parallel, lookahead=lookahead)
+    for sid, request in enumerate(requests):
+        run.submit(sid, request)
+    step = 0
+    while run.waiting or not run.engine.idle():
+        if step == cancel_at:
+            run.engine.cancel(1)
+        run.step()
+        step += 1
+    return [run.tokens(sid) for sid in range(len(requests))], run
+
+
+def test_a_lone_greedy_stream_runs_ahead_on_almost_every_round_with_the_ids_of_rounds_in_step(model):
+    (request,) = mixed_requests(1, 300, seed=1)
+    request = GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=20, draft=False)
+    (stepped,), _ = replies(model, [request], 1, lookahead=False)
+    (ahead,), run = replies(model, [request], 1, lookahead=True)
+    assert ahead == stepped and len(ahead) == 20
+    assert run.engine.ahead.used >= 17  # all but the first decode round and the one after the last
+
+
+@pytest.mark.parametrize("parallel", [1, 3, 8])
+def test_streams_joining_leaving_sampling_and_cancelled_get_the_ids_of_rounds_in_step(model, parallel):
+    requests = mixed_requests(8, 300, seed=parallel)
+    stepped, _ = replies(model, requests, parallel, lookahead=False, cancel_at=9)
+    ahead, run = replies(model, requests, parallel, lookahead=True, cancel_at=9)
+    assert ahead == stepped
+    assert run.engine.ahead.used > 0 and run.engine.ahead.launched is None
+
+
+def test_a_prefill_group_snapshot_taken_while_a_step_is_queued_gives_the_ids_of_rounds_in_step(model):
+    prompt = list(range(20, 44))
+    requests = [GenerationRequest(prompt_ids=prompt, max_tokens=10 + i, prefill_group="g", draft=False)
+                for i in range(3)]
+    stepped, _ = replies(model, requests, 3, lookahead=False)
+    ahead, _ = replies(model, requests, 3, lookahead=True)
+    assert ahead == stepped
+
+
+def test_seeded_penalised_logprob_and_drafting_streams_never_run_ahead(model):
+    base = mixed_requests(1, 300, seed=3)[0].prompt_ids
+    requests = [GenerationRequest(prompt_ids=base, max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=1),
+                                  draft=False),
+                GenerationRequest(prompt_ids=base, max_tokens=12, penalties=Penalties(repetition=1.3), draft=False),
+                GenerationRequest(prompt_ids=base, max_tokens=12, logprobs=2, draft=False),
+                GenerationRequest(prompt_ids=base, max_tokens=12)]  # may draft (copies): a step would be wasted
+    for request in requests:
+        _, run = replies(model, [request], 1, lookahead=True)
+        assert run.engine.ahead.used == 0
+
+
+def test_the_environment_switch_turns_lookahead_off(model, monkeypatch):
+    monkeypatch.setenv(LOOKAHEAD_ENV, "0")
+    assert not Lookahead(model).on
+    monkeypatch.setenv(LOOKAHEAD_ENV, "1")
+    assert Lookahead(model).on
+
+
+def test_a_drafting_request_runs_ahead_on_an_engine_with_nothing_to_draft_with(model):
+    request = GenerationRequest(prompt_ids=list(range(40, 60)), max_tokens=12)
+    runs = []
+    for lookahead in (False, True):
+        run = Run(model, 1, lookahead=lookahead)
+        run.engine.copy_drafts = False  # no drafter, no copies: every window is a plain one
+        run.submit(0, request)
+        run.finish()
+        runs.append(run)
+    assert runs[1].tokens(0) == runs[0].tokens(0) and runs[1].engine.ahead.used >= 9
