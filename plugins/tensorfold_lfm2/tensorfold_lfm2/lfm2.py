@@ -215,6 +215,11 @@ class Lfm2Model(nn.Module):
         self.embedding_norm = nn.RMSNorm(args.hidden_size, eps=args.norm_eps)
 
 
+def tapped_rows(outputs: dict[int, mx.array], layers: Sequence[int]) -> mx.array:
+    """The tapped layers' rows side by side: row r is layers[0]'s row r, then layers[1]'s, and so on."""
+    return mx.concatenate([outputs[i] for i in layers], axis=-1)
+
+
 class Model(nn.Module):
     """An LFM2 checkpoint as a tensorfold Model: ragged windows of many streams in one forward."""
 
@@ -295,7 +300,7 @@ class Model(nn.Module):
             if i in self._tapped:
                 outputs[i] = h
         if self._tapped:  # the rows stay lazy: a row's taps are computed only if its cache commits it
-            tapped = mx.concatenate([outputs[i] for i in self._tapped], axis=-1)
+            tapped = tapped_rows(outputs, self._tapped)
             for start, n, cache, _ in spans:
                 cache.tapped = tapped[start:start + n]
         close_windows(spans, commit)

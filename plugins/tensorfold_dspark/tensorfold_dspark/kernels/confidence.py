@@ -89,7 +89,8 @@ def _drafter(case, bias: bool = True):
                                     "confidence_head_with_markov": False})
     model = Model(args)
     proj = model.confidence_head.proj
-    proj.weight = case.array("w", dt)[None]
+    # a loaded Linear's strides: a [None] view of w takes another BLAS path on the CPU, whose sums round otherwise
+    proj.weight = case.array("w", dt).reshape(1, -1)
     proj.bias = case.array("bias", dt) if bias else mx.zeros((1,), dt)
     return model
 
