@@ -101,3 +101,10 @@ def test_a_drafting_request_runs_ahead_on_an_engine_with_nothing_to_draft_with(m
         run.finish()
         runs.append(run)
     assert runs[1].tokens(0) == runs[0].tokens(0) and runs[1].engine.ahead.used >= 9
+
+
+def test_a_model_whose_forward_reads_on_the_host_never_runs_ahead(model, monkeypatch):
+    monkeypatch.setattr(model, "reads_on_host", True, raising=False)  # a served MoE reading its picks mid-forward
+    request = GenerationRequest(prompt_ids=list(range(40, 60)), max_tokens=8, draft=False)
+    _, run = replies(model, [request], 1, lookahead=True)
+    assert not run.engine.ahead.on and run.engine.ahead.used == 0

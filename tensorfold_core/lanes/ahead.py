@@ -35,7 +35,9 @@ class Lookahead:
     def __init__(self, model, enabled: bool | None = None):
         self.model = model
         on = os.environ.get(LOOKAHEAD_ENV, "1") != "0" if enabled is None else enabled
-        self.on = on and isinstance(model, LookaheadModel)
+        # a forward that reads its own arrays on the host (an MoE's picks) would wait there for the queued step: the
+        # overlap is gone, and on CUDA such a forward beside a queued step did not finish (docs/performance.md)
+        self.on = on and isinstance(model, LookaheadModel) and not getattr(model, "reads_on_host", False)
         self.launched: Launched | None = None
         self.used = 0  # steps taken from the device as queued (tests and figures)
 

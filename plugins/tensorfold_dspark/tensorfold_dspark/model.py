@@ -264,6 +264,8 @@ class Model(nn.Module):
         """sigmoid(logit + bias) per draft row: how likely the draft there is the target's (None: no head)."""
         if "confidence_head" not in self:
             return None
+        if rows.size == 0:  # MLX 0.32.4's CUDA matmul of no rows dies of SIGFPE (the record's empty edge found it)
+            return mx.zeros(rows.shape[:-1], mx.float32)
         features = rows
         if self.args.confidence_with_markov:
             features = mx.concatenate([rows, self.markov_head.markov_w1(previous).astype(rows.dtype)], axis=-1)

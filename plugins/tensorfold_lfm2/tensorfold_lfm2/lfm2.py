@@ -233,6 +233,7 @@ class Model(nn.Module):
         self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
         self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
+        self.reads_on_host = False  # True where served MoE blocks read their picks on the host mid-forward
         self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
         self.hidden_size = args.hidden_size
         self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)

@@ -139,6 +139,8 @@ def serve_kernels(model, gather: bool = True) -> dict:
             layer.conv.served = ServedConv(layer.conv.conv, usable["short conv"], kind)
         if isinstance(layer.feed_forward, SparseMoeBlock) and "moe router" in usable:
             layer.feed_forward = ServedMoe(layer.feed_forward, usable["moe router"], kind, projection, gather)
+            # its forward waits on the host mid-graph, so no round runs ahead of the host (lanes/ahead.py)
+            model.reads_on_host = gather
     swap_tree(model, projection, norm)
     if model.args.tie_word_embeddings:
         embed = model.model.embed_tokens
