@@ -204,14 +204,14 @@ class BenchMismatch(Exception):
 
 
 VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENSORFOLD_ROPE_ROWS": "1"},
-            "in-step": {"TENSORFOLD_LOOKAHEAD": "0"}}
+            "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
     read at load; a mode `TABLE-OP+OP` leaves those ops to MLX; one ending `:op-by-op` compiles no layer part,
-    TENSORFOLD_COMPILE=0, `:rope-rows` ropes q and k in the compiled part, TENSORFOLD_ROPE_ROWS=1, and `:in-step`
-    runs no round ahead, TENSORFOLD_LOOKAHEAD=0): the JSON its last line prints."""
+    TENSORFOLD_COMPILE=0, `:rope-windows` ropes each stream's window apart, TENSORFOLD_ROPE_ROWS=0 (`:rope-rows`, =1,
+    is the default), and `:in-step` runs no round ahead, TENSORFOLD_LOOKAHEAD=0): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

@@ -10,8 +10,8 @@ from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, co
 from .kernels import records
 from .ops import OPS
 
-# "1": where the layers' parts are compiled, q and k are roped in the first part, every row at its own position, one
-# launch for all streams' rows; off until a GPU run shows that it pays and stays exact (docs/gpu.md)
+# where the layers' parts are compiled, q and k are roped in the first part, every row at its own position, one
+# launch for all streams' rows (the default); "0" ropes each stream's window apart, to measure (docs/gpu.md)
 ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 
 
@@ -48,7 +48,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
     else:
         model.lm_head = linear(model.lm_head)
     if compiled and compiling(usable, kind):
-        if attend is not None and os.environ.get(ROPE_ROWS_ENV) == "1":  # rope in the compiled first part
+        if attend is not None and os.environ.get(ROPE_ROWS_ENV, "1") != "0":  # rope in the compiled first part
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
                 layer.self_attn.roped = True
