@@ -143,9 +143,9 @@ def load_shard(model: str | None, options: ServeOptions, joined: "Joined | None"
                               "cannot serve it")
     loaded = family.load(ckpt, LoadOptions(dtype=options.dtype, shard=(joined.rank, size) if size > 1 else None))
     if size > 1:
-        from .shard import ShardedModel, reduce
+        from .shard import reduce
 
-        if not isinstance(loaded, ShardedModel) or loaded.shards != size:
+        if getattr(loaded, "shards", None) != size:
             raise CheckpointError(f"{name}: the {family.name} family's load kept no shard of {size} "
                                   "(LoadOptions.shard)")
         progress(f"keeping shard {joined.rank} of {size}")

@@ -68,6 +68,12 @@ class TappedRows:
     rows: mx.array
 
 
+def can_keep_later(model) -> bool:
+    """Whether `model` is a LookaheadModel. Not isinstance: from Python 3.12 a runtime protocol's check reads
+    attributes statically and misses what an mlx Module keeps in its own dict (a family's `kernels`)."""
+    return callable(getattr(model, "keep_later", None))
+
+
 @runtime_checkable
 class LookaheadModel(Model, Protocol):
     """A model whose commits can wait: the engine runs a plain greedy round's next step on the device's argmax

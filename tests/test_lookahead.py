@@ -1,6 +1,7 @@
 """Lookahead: a plain greedy round queues its next step on the device's argmax, and every reply's ids stay those
 of rounds run in step, whoever joins, leaves, is cancelled, samples or shares a prompt."""
 
+import inspect
 import random
 
 import pytest
@@ -9,6 +10,7 @@ from tensorfold_core.lanes.ahead import LOOKAHEAD_ENV, Lookahead
 from tensorfold_core.lanes.rows import Penalties
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_model
+from tensorfold_core.protocols import can_keep_later
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import Run, tiny_llama_checkpoint
 
@@ -108,3 +110,9 @@ def test_a_model_whose_forward_reads_on_the_host_never_runs_ahead(model, monkeyp
     request = GenerationRequest(prompt_ids=list(range(40, 60)), max_tokens=8, draft=False)
     _, run = replies(model, [request], 1, lookahead=True)
     assert not run.engine.ahead.on and run.engine.ahead.used == 0
+
+
+def test_the_lookahead_finds_a_family_model_whose_attributes_live_in_its_module_dict(model):
+    with pytest.raises(AttributeError):  # what Python 3.12's isinstance on a runtime protocol reads: it misses them
+        inspect.getattr_static(model, "kernels")
+    assert can_keep_later(model) and Lookahead(model, True).on

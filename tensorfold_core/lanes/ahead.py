@@ -9,7 +9,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..protocols import LookaheadModel
+from ..protocols import can_keep_later
 
 # TENSORFOLD_LOOKAHEAD=0 runs every round in step (to measure what the overlap gives)
 LOOKAHEAD_ENV = "TENSORFOLD_LOOKAHEAD"
@@ -37,7 +37,7 @@ class Lookahead:
         on = os.environ.get(LOOKAHEAD_ENV, "1") != "0" if enabled is None else enabled
         # a forward that reads its own arrays on the host (an MoE's picks) would wait there for the queued step: the
         # overlap is gone, and on CUDA such a forward beside a queued step did not finish (docs/performance.md)
-        self.on = on and isinstance(model, LookaheadModel) and not getattr(model, "reads_on_host", False)
+        self.on = on and can_keep_later(model) and not getattr(model, "reads_on_host", False)
         self.launched: Launched | None = None
         self.used = 0  # steps taken from the device as queued (tests and figures)
 
