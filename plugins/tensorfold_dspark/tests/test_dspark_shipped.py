@@ -78,7 +78,7 @@ def test_the_shipped_drafters_own_blocks_land_on_code_without_copy_drafts():
             tokens, kept = tokens + len(drafted), kept + sum(r["kept"] for r in rounds)
     finally:
         drafter.close()
-    # an eighth: under what the shipped, undertrained drafter lands here (its card), over what a barely trained one does
+    # an eighth: well under what the shipped drafter lands (its card), over what a barely trained one does
     assert kept >= tokens // 8
 
 
