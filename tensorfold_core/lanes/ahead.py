@@ -35,8 +35,8 @@ class Lookahead:
     def __init__(self, model, enabled: bool | None = None):
         self.model = model
         on = os.environ.get(LOOKAHEAD_ENV, "1") != "0" if enabled is None else enabled
-        # a forward that reads its own arrays on the host (an MoE's picks) would wait there for the queued step: the
-        # overlap is gone, and on CUDA such a forward beside a queued step did not finish (docs/performance.md)
+        # a forward that reads its own arrays on the host (a served MoE's picks) waits there for the queued step, so
+        # nothing would overlap; not yet run ahead on a GPU with one (docs/performance.md)
         self.on = on and can_keep_later(model) and not getattr(model, "reads_on_host", False)
         self.launched: Launched | None = None
         self.used = 0  # steps taken from the device as queued (tests and figures)
