@@ -58,7 +58,7 @@ def workload(args) -> list[list[int]]:
 
 def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
     """A fresh server; every prompt once, `streams` at a time; the replies and the decode rate."""
-    flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags]
+    flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags, *args.serve_flags.split()]
     with server(TARGET, *flags, env=blas_env(args.blas)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
         send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=TARGET, **sampling(args, i))
@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the code prompts: greedy, or temperature 0.8 with a seed per prompt")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--blas", default="openblas-nehalem", help="bundled, openblas, openblas-CORE")
+    parser.add_argument("--serve-flags", default="", help="more flags for every cell's server, e.g. "
+                        "'--prompt-cache-gib 0' (no kept prompt states, so no Recall copies)")
     args = parser.parse_args(argv)
     prompts = workload(args)
     levels = [int(s) for s in args.streams.split(",")]
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     how = {"random": "random, temperature 1.0, seeded", "long": f"long: {LONG_TOKENS}-token stdlib sources, "
            f"{args.sampling}"}.get(args.workload, f"code, {args.sampling}")
     print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} prompts ({how}), {args.tokens} tokens each; "
-          f"{args.reps} reps; a fresh server per cell, cells in a rotated order")
+          f"{args.reps} reps; a fresh server per cell, cells in a rotated order"
+          + (f"; every server with {args.serve_flags}" if args.serve_flags else ""))
     runs = {(c.name, n): [] for c in CELLS for n in levels}
     for rep in range(args.reps):
         for n in levels:
