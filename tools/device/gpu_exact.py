@@ -10,6 +10,7 @@ row-invariant shows its mismatches instead of hiding them. Exit 1 on a mismatch,
 `records` or `table` mode; `builtin` is reported only, and cut after --builtin-seconds (on CUDA it is slow and expected to differ).
 Usage: python3 tools/device/gpu_exact.py --out DIR [--families llama,lfm2] [--modes records] [--tokens 32]
        [--prompts 12] [--streams 4,8]     (docs/gpu.md: how to run it on the H200, what it prints)
+TF_EXACT_WATCH=DIR: each child writes where its time went and its threads' stacks every 30 s there.
 """
 
 from __future__ import annotations
@@ -87,6 +88,23 @@ def child(command: list[str], mode: str, timeout: float) -> dict:
         return {"error": f"no report on its last line: {lines[-1][:200]!r}; {done.stderr[-2000:]}"}
 
 
+def watch(family: str) -> None:
+    """TF_EXACT_WATCH=DIR: the child samples where its time goes and dumps every thread's stack every 30 s there,
+    so a child cut by its timeout says where it was (a hang repeats one stack; a slow loop moves)."""
+    folder = os.environ.get("TF_EXACT_WATCH")
+    if not folder:
+        return
+    import faulthandler
+
+    import sampler
+
+    name = f"{family}-{os.environ.get('TENSORFOLD_KERNELS', 'table')}"
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    sampler.start(Path(folder) / f"sample-{name}.txt")
+    stacks = open(Path(folder) / f"stacks-{name}.txt", "w")  # kept open: faulthandler writes to it until exit
+    faulthandler.dump_traceback_later(30, repeat=True, file=stacks)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="writes gpu_exact.json here (required)")
@@ -104,6 +122,7 @@ def main() -> int:
     args = parser.parse_args()
     streams = [int(n) for n in args.streams.split(",")]
     if args.child:
+        watch(args.child)
         print(json.dumps(run_family(args.child, args.tokens, args.prompts, streams, args.seconds)))
         return 0
     if args.out is None:
