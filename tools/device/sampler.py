@@ -34,7 +34,7 @@ def report(stacks: Counter, started: float, top: int = 25) -> str:
     for stack, n in stacks.items():
         inner[f"{stack[0]}  [{stack[-1]}]"] += n
         threads[stack[-1]] += n
-        for entry in set(e.split(" ", 1)[1] + " @" + e.split(":", 1)[0] for e in stack[:-1]):
+        for entry in {e.split(" ", 1)[1] + " @" + e.split(":", 1)[0] for e in stack[:-1]}:
             inclusive[entry] += n
     lines = [f"{total} samples over {time.perf_counter() - started:.1f} s (every thread; one waiting is sampled too)",
              "", "threads:"]
