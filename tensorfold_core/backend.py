@@ -6,6 +6,8 @@ import platform
 
 import mlx.core as mx
 
+from .kernels import backend
+
 
 def device_info() -> dict:
     device = mx.default_device()
@@ -49,8 +51,10 @@ def backend_row_invariance(dim: int = 256) -> dict:
         "matmul_float32": _rows_invariant(lambda r: r @ w, x),
         "linear_float32": _rows_invariant(lambda r: r @ wide.T, x) and _rows_invariant(lambda r: r @ narrow.T, x_wide),
         "matmul_bfloat16": _rows_invariant(lambda r: r @ w.astype(mx.bfloat16), x.astype(mx.bfloat16)),
-        "quantized_matmul_4bit": _rows_invariant(
+        # None, not probed, on CUDA: MLX 0.32.4's quantized_matmul there builds a kernel for ~40 s at its first call
+        # of 8+ rows of each shape (docs/gpu.md); the families' quantized projections run their kernel records there
+        "quantized_matmul_4bit": None if backend() == "cuda" else _rows_invariant(
             lambda r: mx.quantized_matmul(r, qw, scales, biases, transpose=True, group_size=64, bits=4), x),
         "sdpa": _rows_invariant(sdpa, x),
     }
-    return {"row_invariant": all(checks.values()), "ops": checks}
+    return {"row_invariant": all(checks.values()), "ops": checks}  # one not probed (None) counts as not invariant

@@ -47,6 +47,16 @@ def test_capabilities_json_shows_backend_families_row_invariance_and_serve_flags
     assert {"parallel", "context", "dtype", "port"} <= set(info["serve_flags"])
 
 
+def test_the_backend_probe_leaves_quantized_matmul_unprobed_on_cuda_and_counts_it_not_invariant(monkeypatch):
+    import tensorfold_core.backend as probe
+
+    assert isinstance(probe.backend_row_invariance()["ops"]["quantized_matmul_4bit"], bool)  # probed on this CPU
+    monkeypatch.setattr(probe, "backend", lambda: "cuda")  # where a first 8-row call builds a kernel for ~40 s
+    on_cuda = probe.backend_row_invariance()
+    assert on_cuda["ops"]["quantized_matmul_4bit"] is None
+    assert on_cuda["row_invariant"] is False
+
+
 @pytest.mark.parametrize("args, needle", [
     (["serve", "--parallel", "0"], "--parallel"),
     (["serve", "--dtype", "float8"], "--dtype"),
