@@ -8,7 +8,8 @@
 # `records-OP+OP` serves the records but leaves those ops (the family's table names) to MLX: where the time goes.
 # --streams 4,8 adds cells of that many replies decoded at once on one engine (shared rounds where the probe passes),
 # plain and drafted: aggregate tok/s over the cell's wall time, prefill included, each reply's ids checked against
-# the same prompt decoded alone and plain.
+# the same prompt decoded alone and plain. A drafted round's mean wall ms is printed beside the drafter's share of it
+# (its `propose`, which reads the drafts back, so its chain's device time is in it): where a drafted round's time goes.
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ def child(args) -> dict:
     model, tokenizer = target.model, target.tokenizer
     drafter = start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype="bfloat16"))
     prompts = CODE_PROMPTS[:args.prompts]
+    proposing = {"s": 0.0}
+    propose = drafter.propose
+
+    def timed_propose(asks):  # the drafter's share of a round: it reads its drafts back, so its device time is in it
+        start = time.perf_counter()
+        try:
+            return propose(asks)
+        finally:
+            proposing["s"] += time.perf_counter() - start
+
+    drafter.propose = timed_propose
 
     def engines():
         plain = Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)
@@ -63,11 +75,14 @@ def child(args) -> dict:
         req = request(text)
         capacity = len(req.prompt_ids) + args.tokens
         plain_ids, plain_rounds, _ = decode(plain, req, capacity)
+        proposing["s"] = 0.0
         drafted_ids, drafted_rounds, _ = decode(drafted, req, capacity)
         out["prompts"].append({"plain_ids": plain_ids, "drafted_ids": drafted_ids,
                                "plain_tok_s": round(decode_rate(plain_rounds, len(plain_ids)), 1),
                                "drafted_tok_s": round(decode_rate(drafted_rounds, len(drafted_ids)), 1),
-                               "drafted_rounds": len(drafted_rounds), "plain_rounds": len(plain_rounds)})
+                               "drafted_rounds": len(drafted_rounds), "plain_rounds": len(plain_rounds),
+                               "drafted_round_ms": round(mean([r["ms"] for r in drafted_rounds[1:]]), 2),
+                               "drafter_ms": round(1000 * proposing["s"] / max(len(drafted_rounds), 1), 2)})
     out["streams"] = []
     for n in args.streams:
         requests = [request(prompts[i % len(prompts)]) for i in range(n)]
@@ -133,14 +148,16 @@ def main() -> int:
     first = results[0]
     width = max(9, *(len(r["mode"]) for r in results))
     print(f"{'mode':<{width}} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "
-          f"{'rounds':>7}  same ids as {first['mode']}")
+          f"{'rounds':>7} {'drafted round ms':>16} {'drafter ms':>10}  same ids as {first['mode']}")
     for r in results:
         plain = mean([p["plain_tok_s"] for p in r["prompts"]])
         drafted = mean([p["drafted_tok_s"] for p in r["prompts"]])
         rounds = sum(p["drafted_rounds"] for p in r["prompts"])
         same = all(p["plain_ids"] == q["plain_ids"] for p, q in zip(r["prompts"], first["prompts"]))
+        round_ms = mean([p.get("drafted_round_ms", 0.0) for p in r["prompts"]])
+        drafter_ms = mean([p.get("drafter_ms", 0.0) for p in r["prompts"]])
         print(f"{r['mode']:<{width}} {str(r['probe']['row_invariant']):<6} {plain:>11.1f} {drafted:>13.1f} "
-              f"{drafted / plain if plain else 0:>13.2f} {rounds:>7}  {same}")
+              f"{drafted / plain if plain else 0:>13.2f} {rounds:>7} {round_ms:>16.2f} {drafter_ms:>10.2f}  {same}")
     if any(r.get("streams") for r in results):
         print(f"\n{'mode':<{width}} {'streams':>7} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13}"
               "  (aggregate, prefill included; every reply's ids as its prompt alone)")
