@@ -1,7 +1,8 @@
 """tensorfold's DSpark path against mlx-vlm's on the same checkpoints (tiny-lfm2-moe + tiny-lfm2-moe-dspark), ids first.
 
 Both in-process, greedy, float32, the code prompts as raw text (no chat template, the same prompt ids checked): each
-side's plain decode, then its drafted decode, timed over a few rotated reps. Every drafted reply must equal its own
+side's plain decode, then its drafted decode, timed over a few rotated reps; ours twice, with the copy drafts the
+server adds and with DSpark's drafts alone. OpenBLAS (Nehalem) by default, as bench_dspark's server (`--blas`). Every drafted reply must equal its own
 side's plain reply before any rate is printed; how many plain replies the two sides share is reported. mlx-vlm is not
 a tensorfold dependency: install it beside the venv without its dependencies (docs/performance.md says how), e.g.
     pip install --no-deps --target /tmp/peersite mlx-vlm==0.7.10 pillow
@@ -13,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, fail_if_any, median, platform_lines, table
+from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, exit_code, fail_if_any, median,
+                    platform_lines, table)
 
 TARGET = "tiny-lfm2-moe"
 DRAFTER = "tiny-lfm2-moe-dspark"
@@ -39,11 +43,11 @@ def float32_copy(source: Path, out: Path) -> Path:
 
 
 class Ours:
-    """tensorfold in-process: the served engine's plain (lookahead) and drafted (priced holds) rounds."""
+    """tensorfold in-process: the served engine's plain (lookahead) and drafted (priced holds) rounds; `copies`
+    False drafts from DSpark alone, as mlx-vlm does (the server adds copy drafts from the context)."""
 
-    name = "tensorfold"
-
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, copies: bool = True):
+        self.name = "tensorfold" if copies else "tensorfold, no copies"
         from tensorfold_core.loading import load_target, start_drafter
         from tensorfold_core.options import ServeOptions
         from tensorfold_core.specs import DrafterOptions
@@ -55,7 +59,7 @@ class Ours:
         self.max_tokens = max_tokens
         # one engine each for the whole run, as a server keeps one: its planner learns what drafting pays
         model = self.target.model
-        self.engines = {False: Engine(model), True: Engine(model, drafter=self.drafter, timed=True)}
+        self.engines = {False: Engine(model), True: Engine(model, drafter=self.drafter, timed=True, copy_drafts=copies)}
 
     def encode(self, text: str) -> list[int]:
         return self.target.tokenizer.encode(text)
@@ -102,18 +106,23 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=len(CODE_PROMPTS))
+    parser.add_argument("--blas", default="openblas-nehalem", help="bundled, openblas, openblas-CORE (bench_dspark's "
+                        "default, so the in-process and HTTP figures share a BLAS)")
     args = parser.parse_args()
+    env = blas_env(args.blas)
+    if any(os.environ.get(k) != v for k, v in env.items()):  # a preload only acts from a process's start
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
     try:
         import mlx_vlm  # noqa: F401
     except ImportError:
         raise SystemExit("mlx-vlm is not importable: install it beside the venv (this file's docstring says how)")
     from tensorfold_core.loading import resolve_model
 
-    print("\n".join(platform_lines()))
+    print("\n".join(platform_lines(args.blas)))
     prompts = CODE_PROMPTS[:args.prompts]
     with tempfile.TemporaryDirectory() as tmp:
         sides = [Ours(args.tokens), Peer(float32_copy(resolve_model(TARGET), Path(tmp) / "target"),
-                                          resolve_model(DRAFTER), args.tokens)]
+                                          resolve_model(DRAFTER), args.tokens), Ours(args.tokens, copies=False)]
         for text in prompts:  # the same prompt ids on both sides, or the comparison means nothing
             check_same_ids(f"prompt ids, {text[:30]!r}", sides[0].encode(text), sides[1].encode(text))
         for side in sides:  # warm-up: kernels built on first use are not timed
@@ -127,7 +136,8 @@ def main() -> int:
                 seconds.setdefault((side.name, drafted), []).append(time.perf_counter() - start)
                 ids.setdefault((side.name, drafted), replies)
     failures = []
-    for name in ("tensorfold", "mlx-vlm"):
+    names = [side.name for side in sides]
+    for name in names:
         for i, (plain, drafted) in enumerate(zip(ids[name, False], ids[name, True])):
             try:
                 check_same_ids(f"{name} drafted vs its plain, prompt {i}", plain, drafted)
@@ -138,7 +148,7 @@ def main() -> int:
     # transformers' in the tests; mlx-vlm 0.7.10's lfm2_moe was seen to part from it a few tokens in)
     agree = sum(a == b for a, b in zip(ids["tensorfold", False], ids["mlx-vlm", False]))
     rows = []
-    for name in ("tensorfold", "mlx-vlm"):
+    for name in names:
         tokens = sum(len(r) for r in ids[name, False])
         plain, drafted = (tokens / median(seconds[name, d]) for d in (False, True))
         rows.append([name, f"{plain:.1f}", f"{drafted:.1f}", f"{drafted / plain:.2f}x"])
