@@ -8,7 +8,7 @@ from mlx.utils import tree_unflatten
 
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError
-from tensorfold_core.kernels import backend
+from tensorfold_core.quantized import unpack_many_rows
 from tensorfold_core.weights import check_tensors
 
 from .model import Model, ModelArgs
@@ -18,24 +18,6 @@ GROUP_SIZES = (64, 32)  # the first that divides a matrix's inputs
 FLAGS = ("dflash_config.target_layer_ids, num_hidden_layers, dflash_config.markov_rank, "
          "dflash_config.enable_confidence_head")  # config keys that decide which tensors are read
 DENSE = ("confidence_head",)  # one output row: nothing to save by packing it
-# MLX 0.32.4's CUDA quantized_matmul compiles a kernel at its first call of 8 or more rows for each shape, ~40 s of
-# one CPU core each on the H200 (docs/gpu.md), so a drafter's first holds stalled for minutes: from this many rows
-# a call on CUDA unpacks the codes for MLX's plain matmul instead (a GEMM's work; fewer rows read the codes in place)
-UNPACK_FROM_ROWS_ON_CUDA = 8
-
-
-class PackedLinear(nn.QuantizedLinear):
-    """A linear's 8-bit affine codes; a call of `unpack_from` rows or more unpacks them first (None: never)."""
-
-    unpack_from: int | None = None
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.unpack_from is None or x.size < self.unpack_from * x.shape[-1]:
-            return super().__call__(x)
-        weight = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                               bits=self.bits, mode=self.mode)
-        x = x @ weight.T
-        return x + self["bias"] if "bias" in self else x
 
 
 def args_of(ckpt: Checkpoint) -> ModelArgs:
@@ -61,8 +43,7 @@ def _quantized(module: nn.Module, weight: mx.array, group_size: int) -> nn.Modul
     if isinstance(module, nn.Embedding):
         packed = nn.QuantizedEmbedding.from_embedding(module, group_size, BITS)
     else:
-        packed = PackedLinear.from_linear(module, group_size, BITS)
-        packed.unpack_from = UNPACK_FROM_ROWS_ON_CUDA if backend() == "cuda" else None
+        packed = nn.QuantizedLinear.from_linear(module, group_size, BITS)
     mx.eval(packed.parameters())
     return packed
 
@@ -96,4 +77,5 @@ def load(ckpt: Checkpoint, dtype: mx.Dtype) -> Model:
         del weight, module
     model.update(tree_unflatten([(name, w.astype(dtype)) for name, w in weights.items()]))
     mx.eval(model.parameters())
+    unpack_many_rows(model)  # on CUDA, calls of many rows unpack the codes (tensorfold_core.quantized says why)
     return model

@@ -12,6 +12,7 @@ from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, Model as TargetModel
+from tensorfold_core.quantized import unpack_many_rows
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions, LoadOptions
 
@@ -315,6 +316,7 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     # MLX's own ops, whatever the target serves: the target verifies every draft, so its forward needs no row
     # invariance (on CUDA the records' path builds and runs a token about twice as slowly, docs/performance.md)
     model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=True))
+    unpack_many_rows(model)  # a quantized drafter on CUDA: calls of many rows unpack (tensorfold_core.quantized)
     drafter = LlamaDrafter(model, vocab_limit=target.vocab_size, eos_ids=eos_ids, options=options,
                            source=str(drafter_ckpt.path))
     del model  # the drafter owns the weights from here: freeing it frees them

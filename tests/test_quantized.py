@@ -1,0 +1,63 @@
+"""Drafters' packed linears: calls of many rows may unpack the codes (on CUDA), and give the packed result."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import tensorfold_core.quantized as quantized
+from tensorfold_core.loading import load_model, start_drafter
+from tensorfold_core.quantized import UNPACK_FROM_ROWS_ON_CUDA, PackedEmbedding, PackedLinear, unpack_many_rows
+
+
+def packed(bias: bool) -> nn.Module:
+    mx.random.seed(3)
+    model = nn.Sequential(nn.Linear(128, 96, bias=bias))
+    nn.quantize(model, group_size=64, bits=8)
+    return model
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [UNPACK_FROM_ROWS_ON_CUDA, 13, 32])
+def test_a_call_of_many_rows_unpacks_to_the_packed_result_within_float32_rounding(bias, rows):
+    model = packed(bias)
+    x = mx.random.normal((rows, 128))
+    in_place = model(x)
+    assert unpack_many_rows(model, UNPACK_FROM_ROWS_ON_CUDA) == 1
+    assert isinstance(model.layers[0], PackedLinear)
+    unpacked = model(x)
+    assert unpacked.shape == in_place.shape == (rows, 96)
+    assert mx.allclose(unpacked, in_place, rtol=1e-5, atol=1e-5).item()
+
+
+def test_a_call_of_fewer_rows_reads_the_codes_in_place():
+    model = packed(True)
+    x = mx.random.normal((1, UNPACK_FROM_ROWS_ON_CUDA - 1, 128))
+    in_place = model(x)
+    unpack_many_rows(model, UNPACK_FROM_ROWS_ON_CUDA)
+    assert mx.array_equal(model(x), in_place).item()
+
+
+def test_a_tied_head_of_many_rows_unpacks_to_the_packed_result():
+    mx.random.seed(4)
+    embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(300, 128), 64, 4)
+    x = mx.random.normal((UNPACK_FROM_ROWS_ON_CUDA + 3, 128))
+    in_place = embedding.as_linear(x)
+    holder = nn.Sequential(embedding)
+    unpack_many_rows(holder, UNPACK_FROM_ROWS_ON_CUDA)
+    assert isinstance(holder.layers[0], PackedEmbedding)
+    assert mx.allclose(holder.layers[0].as_linear(x), in_place, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(holder.layers[0](mx.array([1, 7])), embedding(mx.array([1, 7]))).item()  # lookups as before
+
+
+@pytest.mark.parametrize("drafter", ["tiny-lfm2-moe-dspark", "tiny-llama-drafter-4bit"])
+def test_the_shipped_quantized_drafters_unpack_only_on_cuda(drafter, monkeypatch):
+    target_name = "tiny-lfm2-moe" if "dspark" in drafter else "tiny-llama"
+    target, tokenizer = load_model(target_name)[:2]
+    for backend, want in (("cpu", None), ("cuda", UNPACK_FROM_ROWS_ON_CUDA)):
+        monkeypatch.setattr(quantized, "backend", lambda b=backend: b)
+        started = start_drafter(drafter, target, tokenizer)
+        packs = [m for _, m in started.model.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))]
+        assert packs and all(m.unpack_from == want for m in packs)
+        started.close()
