@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import traceback
 from typing import Sequence
 
@@ -13,6 +14,7 @@ from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, Model as TargetModel
 from tensorfold_core.quantized import unpack_many_rows
+from tensorfold_core.row_kernels.modules import compile_parts
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions, LoadOptions
 
@@ -23,6 +25,9 @@ from .model import Model
 MODEL_TYPES = ("llama", "mistral")
 BITS = (0, 4, 8)
 WARM_UP_ID = -1  # a stream id no lane core hands out
+# "1": the drafter's layer parts are mx.compile'd (a measurement for the H200, where a drafted round of the inflated
+# pair spent ~28 ms, much of it maybe the Python that builds each chain step; bench variant `:drafter-compiled`)
+DRAFTER_COMPILE_ENV = "TENSORFOLD_COMPILE_DRAFTER"
 
 
 # ---- admission: which checkpoints, which width (core has checked the tokenizer) ----
@@ -317,6 +322,8 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     # invariance (on CUDA the records' path builds and runs a token about twice as slowly, docs/performance.md)
     model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=True))
     unpack_many_rows(model)  # a quantized drafter on CUDA: calls of many rows unpack (tensorfold_core.quantized)
+    if os.environ.get(DRAFTER_COMPILE_ENV) == "1":  # a measurement: its Python builds each step's graph otherwise
+        compile_parts(model.model.layers)
     drafter = LlamaDrafter(model, vocab_limit=target.vocab_size, eos_ids=eos_ids, options=options,
                            source=str(drafter_ckpt.path))
     del model  # the drafter owns the weights from here: freeing it frees them

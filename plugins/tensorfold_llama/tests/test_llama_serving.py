@@ -220,3 +220,29 @@ def test_a_group_rank_compiles_no_layer_part_since_its_layers_record_their_sums_
     monkeypatch.setenv(COMPILE_ENV, "1")
     rank, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16", shard=(1, 2)))
     assert rank.model.layers[0].halves is None  # op by op
+
+
+def test_a_drafter_with_compiled_layer_parts_drafts_and_its_replies_stay_the_plain_ones(monkeypatch):
+    from tensorfold_core.row_kernels.modules import ShapeCompiled
+    from tensorfold_core.testing import Run
+    from tensorfold_llama.drafter import DRAFTER_COMPILE_ENV
+
+    target, tokenizer = load_model("tiny-llama")[:2]
+    request = GenerationRequest(prompt_ids=tokenizer.encode("def fib(n):\n    if n < 2:\n"), max_tokens=40)
+    replies = {}
+    for compiled in ("0", "1"):
+        monkeypatch.setenv(DRAFTER_COMPILE_ENV, compiled)
+        drafter = start_drafter("tiny-llama-drafter", target, tokenizer)
+        parts = [h for layer in drafter.model.model.layers for h in (layer.halves or ())]
+        assert (compiled == "1") == (bool(parts) and all(isinstance(h, ShapeCompiled) for h in parts))
+        run = Run(target, 1)
+        run.engine.drafter, run.engine.copy_drafts = drafter, False
+        run.submit(0, request)
+        run.finish()
+        replies[compiled] = (run.tokens(0), run.engine.counters.accepted_tokens)
+        drafter.close()
+    plain = Run(target, 1)
+    plain.submit(0, GenerationRequest(prompt_ids=request.prompt_ids, max_tokens=40, draft=False))
+    plain.finish()
+    assert replies["1"][0] == replies["0"][0] == plain.tokens(0) and len(plain.tokens(0)) == 40
+    assert replies["1"][1] > 0  # the compiled drafter's drafts land
