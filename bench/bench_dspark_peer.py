@@ -2,8 +2,9 @@
 
 Both in-process, greedy, float32, the code prompts as raw text (no chat template, the same prompt ids checked): each
 side's plain decode, then its drafted decode, timed over a few rotated reps; ours twice, with the copy drafts the
-server adds and with DSpark's drafts alone. OpenBLAS (Nehalem) by default, as bench_dspark's server (`--blas`). Every drafted reply must equal its own
-side's plain reply before any rate is printed; how many plain replies the two sides share is reported. mlx-vlm is not
+server adds and with DSpark's drafts alone. OpenBLAS (Nehalem) by default, as bench_dspark's servers (`--blas`).
+Every drafted reply must equal its own side's plain reply before any rate is printed; how many plain replies the two
+sides share is reported. mlx-vlm is not
 a tensorfold dependency: install it beside the venv without its dependencies (docs/performance.md says how), e.g.
     pip install --no-deps --target /tmp/peersite mlx-vlm==0.7.10 pillow
     PYTHONPATH=/tmp/peersite python bench/bench_dspark_peer.py

@@ -1,4 +1,4 @@
-"""MLX affine-packed linears that unpack their codes for calls of many rows on CUDA, where MLX's own is slow to build."""
+"""MLX affine-packed linears that unpack their codes for calls of many rows on CUDA, where MLX's own builds slowly."""
 
 from __future__ import annotations
 
