@@ -46,8 +46,8 @@ PROMPTS = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Point:\n    de
            "def fib(n):\n    if n < 2:\n", "for i in range(10):\n    print(", "import json\n\n\ndef load(path):\n",
            "    def __repr__(self):\n        return", "try:\n    import numpy as np\nexcept ImportError:\n",
            "def parse_args():\n    parser = argparse.ArgumentParser(",
-           "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
-           "    def norm(self):\n",
+           ("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+            "    def norm(self):\n"),
            "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(",
            "import os\nimport sys\n\n\ndef main(argv):\n    args = parse_args(argv)\n    with open(args.path) as f:\n",
            "Hello world! The quick brown fox jumps over the lazy dog. Hello world! The quick"]
