@@ -44,6 +44,9 @@ class PackedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if y is None else y
 
 
+PACKED = {nn.QuantizedLinear: PackedLinear, nn.QuantizedEmbedding: PackedEmbedding}
+
+
 def unpack_many_rows(model: nn.Module, unpack_from: int | None = None) -> int:
     """Make every affine QuantizedLinear and QuantizedEmbedding of `model` a Packed one that unpacks from
     `unpack_from` rows (default: 8 on CUDA, never elsewhere); how many it changed. For models that run MLX's own ops
@@ -52,13 +55,9 @@ def unpack_many_rows(model: nn.Module, unpack_from: int | None = None) -> int:
         unpack_from = UNPACK_FROM_ROWS_ON_CUDA if backend() == "cuda" else None
     changed = 0
     for _, module in model.named_modules():
-        packed = PACKED.get(type(module))
-        if packed is not None and module.mode == "affine":
-            module.__class__ = packed  # the same arrays and fields: only the calls change, nothing is copied
+        if type(module) in PACKED and module.mode == "affine":
+            module.__class__ = PACKED[type(module)]  # the same arrays and fields: only the calls change, no copy
             changed += 1
-        if isinstance(module, tuple(PACKED.values())):
+        if type(module) in PACKED.values():
             module.unpack_from = unpack_from
     return changed
-
-
-PACKED = {nn.QuantizedLinear: PackedLinear, nn.QuantizedEmbedding: PackedEmbedding}
