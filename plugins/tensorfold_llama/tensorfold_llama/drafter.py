@@ -28,6 +28,9 @@ WARM_UP_ID = -1  # a stream id no lane core hands out
 # "1": the drafter's layer parts are mx.compile'd (a measurement for the H200, where a drafted round of the inflated
 # pair spent ~28 ms, much of it maybe the Python that builds each chain step; bench variant `:drafter-compiled`)
 DRAFTER_COMPILE_ENV = "TENSORFOLD_COMPILE_DRAFTER"
+# "1": the drafter loads the kernel table the target serves instead of MLX's ops (a measurement for the H200, where a
+# depth-4 chain of the inflated pair's drafter took ~13 ms through MLX's ops; bench variant `:drafter-served`)
+DRAFTER_SERVED_ENV = "TENSORFOLD_DRAFTER_SERVED"
 
 
 # ---- admission: which checkpoints, which width (core has checked the tokenizer) ----
@@ -320,7 +323,8 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     eos_ids = options.eos_ids if options.eos_ids is not None else frozenset(drafter_ckpt.tokenizer().eos_ids)
     # MLX's own ops, whatever the target serves: the target verifies every draft, so its forward needs no row
     # invariance (on CUDA the records' path builds and runs a token about twice as slowly, docs/performance.md)
-    model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=True))
+    builtin = os.environ.get(DRAFTER_SERVED_ENV) != "1"
+    model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=builtin))
     unpack_many_rows(model)  # a quantized drafter on CUDA: calls of many rows unpack (tensorfold_core.quantized)
     if os.environ.get(DRAFTER_COMPILE_ENV) == "1":  # a measurement: its Python builds each step's graph otherwise
         compile_parts(model.model.layers)
