@@ -205,17 +205,16 @@ class BenchMismatch(Exception):
 
 VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENSORFOLD_ROPE_ROWS": "1"},
             "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"},
-            "drafter-compiled": {"TENSORFOLD_COMPILE_DRAFTER": "1"},
-            "drafter-served": {"TENSORFOLD_DRAFTER_SERVED": "1"}}
+            "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
     read at load; a mode `TABLE-OP+OP` leaves those ops to MLX; one ending `:op-by-op` compiles no layer part,
     TENSORFOLD_COMPILE=0, `:rope-windows` ropes each stream's window apart, TENSORFOLD_ROPE_ROWS=0 (`:rope-rows`, =1,
-    is the default), `:in-step` runs no round ahead, TENSORFOLD_LOOKAHEAD=0, and `:drafter-compiled` compiles a llama
-    drafter's layer parts, TENSORFOLD_COMPILE_DRAFTER=1, and `:drafter-served` runs it through the target's kernel
-    table, TENSORFOLD_DRAFTER_SERVED=1): the JSON its last line prints."""
+    is the default), `:in-step` runs no round ahead, TENSORFOLD_LOOKAHEAD=0, and `:drafter-builtin` runs a llama
+    drafter on MLX's ops instead of the target's table, TENSORFOLD_DRAFTER_BUILTIN=1): the JSON its last line
+    prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

@@ -14,7 +14,6 @@ from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, Model as TargetModel
 from tensorfold_core.quantized import unpack_many_rows
-from tensorfold_core.row_kernels.modules import compile_parts
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions, LoadOptions
 
@@ -25,12 +24,9 @@ from .model import Model
 MODEL_TYPES = ("llama", "mistral")
 BITS = (0, 4, 8)
 WARM_UP_ID = -1  # a stream id no lane core hands out
-# "1": the drafter's layer parts are mx.compile'd (a measurement for the H200, where a drafted round of the inflated
-# pair spent ~28 ms, much of it maybe the Python that builds each chain step; bench variant `:drafter-compiled`)
-DRAFTER_COMPILE_ENV = "TENSORFOLD_COMPILE_DRAFTER"
-# "1": the drafter loads the kernel table the target serves instead of MLX's ops (a measurement for the H200, where a
-# depth-4 chain of the inflated pair's drafter took ~13 ms through MLX's ops; bench variant `:drafter-served`)
-DRAFTER_SERVED_ENV = "TENSORFOLD_DRAFTER_SERVED"
+# "1": the drafter runs MLX's own ops instead of the kernel table the target serves (a measurement: bench variant
+# `:drafter-builtin`; on the H200 a chain through MLX's ops cost about twice the table's, docs/performance.md)
+DRAFTER_BUILTIN_ENV = "TENSORFOLD_DRAFTER_BUILTIN"
 
 
 # ---- admission: which checkpoints, which width (core has checked the tokenizer) ----
@@ -321,13 +317,11 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     """Load the drafter through the llama loader and warm it up; a failed warm-up frees it and raises DrafterError."""
     name = drafter_ckpt.path.name
     eos_ids = options.eos_ids if options.eos_ids is not None else frozenset(drafter_ckpt.tokenizer().eos_ids)
-    # MLX's own ops, whatever the target serves: the target verifies every draft, so its forward needs no row
-    # invariance (on CUDA the records' path builds and runs a token about twice as slowly, docs/performance.md)
-    builtin = os.environ.get(DRAFTER_SERVED_ENV) != "1"
+    # the table the target serves (on CUDA its compiled parts and GEMV records; on the CPU MLX's ops): the target
+    # verifies every draft, so the drafter needs no row invariance, and the table is chosen for its speed alone
+    builtin = os.environ.get(DRAFTER_BUILTIN_ENV) == "1"
     model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=builtin))
-    unpack_many_rows(model)  # a quantized drafter on CUDA: calls of many rows unpack (tensorfold_core.quantized)
-    if os.environ.get(DRAFTER_COMPILE_ENV) == "1":  # a measurement: its Python builds each step's graph otherwise
-        compile_parts(model.model.layers)
+    unpack_many_rows(model)  # a quantized drafter's modules left to MLX on CUDA unpack for many rows (quantized.py)
     drafter = LlamaDrafter(model, vocab_limit=target.vocab_size, eos_ids=eos_ids, options=options,
                            source=str(drafter_ckpt.path))
     del model  # the drafter owns the weights from here: freeing it frees them
