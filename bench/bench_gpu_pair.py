@@ -1,27 +1,33 @@
 """Plain and drafted greedy decode of a target + drafter pair per kernel table mode, in-process, ids checked first."""
 
 # python bench/bench_gpu_pair.py TARGET DRAFTER [--depth 4] [--tokens 128] [--modes builtin,records] [--json OUT]
+#                                [--streams 4,8] [--mlx-lm]
 # Each mode runs in a child process with TENSORFOLD_KERNELS set (the table is read at load). In it, every prompt is
 # decoded once untimed (MLX compiles its kernels on first use), then plain (`"draft": false`) and drafted, timed; a
 # drafted reply must equal the plain one token for token (check_same_ids) before any rate is printed. Rates count
 # decode rounds only (the prompt's prefill round left out), as `tensorfold run --json` does. A mode
 # `records-OP+OP` serves the records but leaves those ops (the family's table names) to MLX: where the time goes.
 # --streams 4,8 adds cells of that many replies decoded at once on one engine (shared rounds where the probe passes),
-# plain and drafted: aggregate tok/s over the cell's wall time, prefill included, each reply's ids checked against
-# the same prompt decoded alone and plain. A drafted round's mean wall ms is printed beside the drafter's share of it
-# (its `propose`, which reads the drafts back, so its chain's device time is in it): where a drafted round's time goes.
+# plain, drafted and served: aggregate tok/s over the cell's wall time, prefill included, each reply's ids checked
+# against the same prompt decoded alone and plain. A drafted round's mean wall ms is printed beside the drafter's
+# share of it (its `propose`, which reads the drafts back, so its chain's device time is in it): where a drafted
+# round's time goes.
 # "Drafted" windows carry --depth drafter drafts each, unpriced, copies off (check mode); "served" is the engine as a
 # server runs it (timed: depths priced by measured costs, the guards, copy drafts on), one engine for every prompt so
-# what it learned on the untimed pass carries over as on a server that has run a while.
+# what it learned on the untimed pass carries over as on a server that has run a while; "drafter rounds" counts its
+# rounds that asked the drafter (the others verified copies or ran plain). --mlx-lm adds mlx-lm `stream_generate` on
+# the target in a child of its own (each prompt once untimed, then timed), its greedy ids checked against the first
+# mode's plain ones (up to its eos) before its rate is printed beside ours.
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 
-from common import CODE_PROMPTS, check_same_ids, exit_code, kernel_mode_child
+from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, kernel_mode_child, model_dir
 
 
 def decode_rate(rounds: list[dict], tokens: int) -> float:
@@ -45,7 +51,7 @@ def child(args) -> dict:
     model, tokenizer = target.model, target.tokenizer
     drafter = start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype="bfloat16"))
     prompts = CODE_PROMPTS[:args.prompts]
-    proposing = {"s": 0.0}
+    proposing = {"s": 0.0, "calls": 0}
     propose = drafter.propose
 
     def timed_propose(asks):  # the drafter's share of a round: it reads its drafts back, so its device time is in it
@@ -54,6 +60,7 @@ def child(args) -> dict:
             return propose(asks)
         finally:
             proposing["s"] += time.perf_counter() - start
+            proposing["calls"] += 1
 
     drafter.propose = timed_propose
 
@@ -74,7 +81,8 @@ def child(args) -> dict:
     out = {"mode": args.mode, "device": str(mx.default_device()), "kernels": model.kernels,
            "probe": target.probe, "prompts": []}
     for n in args.streams:  # compiles the wider rows' shapes, then the timed cells
-        together(model, engines()[1], [request(prompts[i % len(prompts)]) for i in range(n)])
+        for engine in (engines()[1], served):
+            together(model, engine, [request(prompts[i % len(prompts)]) for i in range(n)])
     for text in prompts:
         plain, drafted = engines()
         req = request(text)
@@ -82,19 +90,22 @@ def child(args) -> dict:
         plain_ids, plain_rounds, _ = decode(plain, req, capacity)
         proposing["s"] = 0.0
         drafted_ids, drafted_rounds, _ = decode(drafted, req, capacity)
+        drafter_s, proposing["calls"] = proposing["s"], 0
         served_ids, served_rounds, _ = decode(served, req, capacity)
-        out["prompts"].append({"plain_ids": plain_ids, "drafted_ids": drafted_ids, "served_ids": served_ids,
+        out["prompts"].append({"prompt_ids": req.prompt_ids, "plain_ids": plain_ids, "drafted_ids": drafted_ids,
+                               "served_ids": served_ids,
                                "served_tok_s": round(decode_rate(served_rounds, len(served_ids)), 1),
+                               "served_rounds": len(served_rounds), "served_drafter_rounds": proposing["calls"],
                                "plain_tok_s": round(decode_rate(plain_rounds, len(plain_ids)), 1),
                                "drafted_tok_s": round(decode_rate(drafted_rounds, len(drafted_ids)), 1),
                                "drafted_rounds": len(drafted_rounds), "plain_rounds": len(plain_rounds),
                                "drafted_round_ms": round(mean([r["ms"] for r in drafted_rounds[1:]]), 2),
-                               "drafter_ms": round(1000 * proposing["s"] / max(len(drafted_rounds), 1), 2)})
+                               "drafter_ms": round(1000 * drafter_s / max(len(drafted_rounds), 1), 2)})
     out["streams"] = []
     for n in args.streams:
         requests = [request(prompts[i % len(prompts)]) for i in range(n)]
         cell = {"streams": n, "prompt_of": [i % len(prompts) for i in range(n)]}
-        for name, engine in zip(("plain", "drafted"), engines()):
+        for name, engine in zip(("plain", "drafted", "served"), (*engines(), served)):
             ids, seconds = together(model, engine, requests)
             cell[f"{name}_ids"], cell[f"{name}_tok_s"] = ids, round(sum(map(len, ids)) / seconds, 1)
         out["streams"].append(cell)
@@ -117,6 +128,34 @@ def together(model, engine, requests) -> tuple[list[list[int]], float]:
     return [[t for e in got if isinstance(e, TokenEvent) for t in e.token_ids] for got in events], seconds
 
 
+def peer(args) -> dict:
+    """mlx-lm `stream_generate` on the target, each prompt once untimed then timed: its ids and decode tok/s."""
+    from bench_family import theirs
+
+    prompt_ids, path = json.loads(sys.stdin.read()), model_dir(args.target)
+    for ids in prompt_ids:  # its kernels compile on first use, as ours do in their untimed pass
+        theirs(path, ids, args.tokens, "auto")
+    return {"prompts": [dict(zip(("ids", "tok_s"), theirs(path, ids, args.tokens, "auto"))) for ids in prompt_ids]}
+
+
+def compare_peer(args, first: dict) -> None:
+    """mlx-lm's greedy ids against the first mode's plain ones (to its eos, where it stops), then the rates."""
+    done = subprocess.run([sys.executable, __file__, args.target, args.drafter, "--tokens", str(args.tokens),
+                           "--peer"], input=json.dumps([p["prompt_ids"] for p in first["prompts"]]),
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise BenchMismatch(f"mlx-lm: the child failed: {done.stderr[-2000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])["prompts"]
+    for i, (theirs, ours) in enumerate(zip(got, first["prompts"])):
+        check_same_ids(f"mlx-lm against {first['mode']} plain, prompt {i}", ours["plain_ids"][:len(theirs["ids"])],
+                       theirs["ids"])
+    rate = mean([p["tok_s"] for p in got])
+    plain = mean([p["plain_tok_s"] for p in first["prompts"]])
+    served = mean([p["served_tok_s"] for p in first["prompts"]])
+    print(f"\nmlx-lm generate {rate:.1f} tok/s, the same greedy ids; {first['mode']} plain / mlx-lm "
+          f"{plain / rate if rate else 0:.2f}, served / mlx-lm {served / rate if rate else 0:.2f}")
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -131,12 +170,14 @@ def main() -> int:
     parser.add_argument("--modes", default="builtin,records")
     parser.add_argument("--streams", default="", help="cells of N replies at once, e.g. 4,8")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--mlx-lm", action="store_true", help="mlx-lm generate on the target too (ids checked)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.streams = [int(n) for n in args.streams.split(",") if n.strip()]
-    if args.child:
-        print(json.dumps(child(args)))
+    if args.child or args.peer:
+        print(json.dumps(child(args) if args.child else peer(args)))
         return 0
     results = [kernel_mode_child(__file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens",
                                  str(args.tokens), "--prompts", str(args.prompts), "--streams",
@@ -149,15 +190,15 @@ def main() -> int:
             check_same_ids(f"{r['mode']}: drafted vs plain, prompt {i}", p["plain_ids"], p["drafted_ids"])
             check_same_ids(f"{r['mode']}: served vs plain, prompt {i}", p["plain_ids"], p["served_ids"])
         for cell in r.get("streams", []):
-            for kind in ("plain", "drafted"):
+            for kind in ("plain", "drafted", "served"):
                 for j, (ids, prompt) in enumerate(zip(cell[f"{kind}_ids"], cell["prompt_of"])):
                     check_same_ids(f"{r['mode']}: {cell['streams']} streams {kind}, reply {j} vs its prompt alone",
                                    r["prompts"][prompt]["plain_ids"], ids)
     first = results[0]
     width = max(9, *(len(r["mode"]) for r in results))
     print(f"{'mode':<{width}} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "
-          f"{'rounds':>7} {'drafted round ms':>16} {'drafter ms':>10} {'served tok/s':>12} {'served/plain':>12}  "
-          f"same ids as {first['mode']}")
+          f"{'rounds':>7} {'drafted round ms':>16} {'drafter ms':>10} {'served tok/s':>12} {'served/plain':>12} "
+          f"{'drafter rounds':>14}  same ids as {first['mode']}")
     for r in results:
         plain = mean([p["plain_tok_s"] for p in r["prompts"]])
         drafted = mean([p["drafted_tok_s"] for p in r["prompts"]])
@@ -166,17 +207,23 @@ def main() -> int:
         round_ms = mean([p.get("drafted_round_ms", 0.0) for p in r["prompts"]])
         drafter_ms = mean([p.get("drafter_ms", 0.0) for p in r["prompts"]])
         served = mean([p["served_tok_s"] for p in r["prompts"]])
+        asked = (f"{sum(p['served_drafter_rounds'] for p in r['prompts'])}/"
+                 f"{sum(p['served_rounds'] for p in r['prompts'])}")
         print(f"{r['mode']:<{width}} {str(r['probe']['row_invariant']):<6} {plain:>11.1f} {drafted:>13.1f} "
               f"{drafted / plain if plain else 0:>13.2f} {rounds:>7} {round_ms:>16.2f} {drafter_ms:>10.2f} "
-              f"{served:>12.1f} {served / plain if plain else 0:>12.2f}  {same}")
+              f"{served:>12.1f} {served / plain if plain else 0:>12.2f} {asked:>14}  {same}")
     if any(r.get("streams") for r in results):
         print(f"\n{'mode':<{width}} {'streams':>7} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13}"
-              "  (aggregate, prefill included; every reply's ids as its prompt alone)")
+              f" {'served tok/s':>12} {'served/plain':>12}  (aggregate, prefill included; every reply's ids as its "
+              "prompt alone)")
         for r in results:
             for cell in r.get("streams", []):
-                plain, drafted = cell["plain_tok_s"], cell["drafted_tok_s"]
+                plain, drafted, served = cell["plain_tok_s"], cell["drafted_tok_s"], cell["served_tok_s"]
                 print(f"{r['mode']:<{width}} {cell['streams']:>7} {plain:>11.1f} {drafted:>13.1f} "
-                      f"{drafted / plain if plain else 0:>13.2f}")
+                      f"{drafted / plain if plain else 0:>13.2f} {served:>12.1f} "
+                      f"{served / plain if plain else 0:>12.2f}")
+    if args.mlx_lm:
+        compare_peer(args, first)
     return 0
 
 

@@ -4,7 +4,8 @@
 #   bench     the GEMV records against MLX's matmul / quantized_matmul at 1-128 rows (outputs checked before timing)
 #   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first):
 #             PAIR_MODES (default builtin,table; e.g. table-attention leaves attention to MLX, to attribute time);
-#             PAIR_STREAMS=4,8 adds cells of that many replies at once, plain and drafted
+#             PAIR_STREAMS=4,8 adds cells of that many replies at once, plain, drafted and served; PAIR_ARGS passes
+#             more flags on (e.g. --mlx-lm: mlx-lm generate on the target too, its wheel carried in .whl/)
 #   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
 #             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
 #             builtin,table,table-attention; bench/bench_token_time.py)
@@ -42,7 +43,7 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
           && python3 tools/zoo/inflate.py --preset 0.1b --out /tmp/d01 --no-check > /dev/null \
           && python3 bench/bench_gpu_pair.py /tmp/b1 /tmp/d01 --modes '${PAIR_MODES:-builtin,table}' \
-          ${PAIR_STREAMS:+--streams $PAIR_STREAMS} --json $receipt/pair.json" \
+          ${PAIR_STREAMS:+--streams $PAIR_STREAMS} ${PAIR_ARGS:-} --json $receipt/pair.json" \
           step pair "${CAP_PAIR:-110}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/pair.txt" ;;
       token)
