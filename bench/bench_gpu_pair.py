@@ -16,8 +16,10 @@
 # server runs it (timed: depths priced by measured costs, the guards, copy drafts on), one engine for every prompt so
 # what it learned on the untimed pass carries over as on a server that has run a while; "drafter rounds" counts its
 # rounds that asked the drafter (the others verified copies or ran plain). --mlx-lm adds mlx-lm `stream_generate` on
-# the target in a child of its own (each prompt once untimed, then timed), its greedy ids checked against the first
-# mode's plain ones (up to its eos) before its rate is printed beside ours.
+# the target in a child of its own (each prompt once untimed, then timed), its greedy ids checked against a `builtin`
+# mode's plain ones (MLX's own ops; the first mode's where no builtin mode ran), up to its eos, before its rate is
+# printed beside each mode's, with how many of each mode's ids agree with its (a row-invariant table's bf16 sums
+# round apart from MLX's, so its ids may part from theirs).
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import subprocess
 import sys
 import time
 
-from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, kernel_mode_child, model_dir
+from common import (CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, first_difference, kernel_mode_child,
+                    model_dir)
 
 
 def decode_rate(rounds: list[dict], tokens: int) -> float:
@@ -105,9 +108,14 @@ def child(args) -> dict:
     for n in args.streams:
         requests = [request(prompts[i % len(prompts)]) for i in range(n)]
         cell = {"streams": n, "prompt_of": [i % len(prompts) for i in range(n)]}
+        counted = served.counters
+        verdicts, kept, offered = dict(counted.verdicts), counted.accepted_tokens, counted.draft_tokens
         for name, engine in zip(("plain", "drafted", "served"), (*engines(), served)):
             ids, seconds = together(model, engine, requests)
             cell[f"{name}_ids"], cell[f"{name}_tok_s"] = ids, round(sum(map(len, ids)) / seconds, 1)
+        # what the served engine's windows did in the timed cell: drafted or plain where they could draft, and drafts
+        cell["served_windows"] = {k: counted.verdicts[k] - verdicts[k] for k in verdicts}
+        cell["served_kept"] = f"{counted.accepted_tokens - kept}/{counted.draft_tokens - offered}"
         out["streams"].append(cell)
     return out
 
@@ -138,22 +146,34 @@ def peer(args) -> dict:
     return {"prompts": [dict(zip(("ids", "tok_s"), theirs(path, ids, args.tokens, "auto"))) for ids in prompt_ids]}
 
 
-def compare_peer(args, first: dict) -> None:
-    """mlx-lm's greedy ids against the first mode's plain ones (to its eos, where it stops), then the rates."""
+def compare_peer(args, results: list[dict]) -> None:
+    """mlx-lm's greedy ids against a `builtin` mode's plain ones (the same MLX ops; the first mode's where none ran),
+    to its eos where it stops; then every mode's rates against its rate, with how far each mode's ids agree."""
+    reference = next((r for r in results if r["mode"].partition(":")[0] == "builtin"), results[0])
     done = subprocess.run([sys.executable, __file__, args.target, args.drafter, "--tokens", str(args.tokens),
-                           "--peer"], input=json.dumps([p["prompt_ids"] for p in first["prompts"]]),
+                           "--peer"], input=json.dumps([p["prompt_ids"] for p in reference["prompts"]]),
                           capture_output=True, text=True)
     if done.returncode:
         raise BenchMismatch(f"mlx-lm: the child failed: {done.stderr[-2000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])["prompts"]
-    for i, (theirs, ours) in enumerate(zip(got, first["prompts"])):
-        check_same_ids(f"mlx-lm against {first['mode']} plain, prompt {i}", ours["plain_ids"][:len(theirs["ids"])],
-                       theirs["ids"])
+    for i, (theirs, ours) in enumerate(zip(got, reference["prompts"])):
+        check_same_ids(f"mlx-lm against {reference['mode']} plain, prompt {i}",
+                       ours["plain_ids"][:len(theirs["ids"])], theirs["ids"])
     rate = mean([p["tok_s"] for p in got])
-    plain = mean([p["plain_tok_s"] for p in first["prompts"]])
-    served = mean([p["served_tok_s"] for p in first["prompts"]])
-    print(f"\nmlx-lm generate {rate:.1f} tok/s, the same greedy ids; {first['mode']} plain / mlx-lm "
-          f"{plain / rate if rate else 0:.2f}, served / mlx-lm {served / rate if rate else 0:.2f}")
+    print(f"\nmlx-lm generate {rate:.1f} tok/s, its greedy ids those of {reference['mode']} plain")
+    for r in results:  # a row-invariant table's bf16 sums differ from MLX's, so its ids may part from theirs
+        plain = mean([p["plain_tok_s"] for p in r["prompts"]])
+        served = mean([p["served_tok_s"] for p in r["prompts"]])
+        agree = sum(agreeing(p["plain_ids"][:len(t["ids"])], t["ids"]) for p, t in zip(r["prompts"], got))
+        print(f"  {r['mode']}: plain / mlx-lm {plain / rate if rate else 0:.2f}, served / mlx-lm "
+              f"{served / rate if rate else 0:.2f}; plain ids as mlx-lm's for {agree} of "
+              f"{sum(len(t['ids']) for t in got)} tokens (each prompt to its first difference)")
+
+
+def agreeing(ours: list[int], theirs: list[int]) -> int:
+    """How many ids from the start the two replies share."""
+    at = first_difference(ours, theirs)
+    return len(theirs) if at is None else at
 
 
 def mean(values: list[float]) -> float:
@@ -214,16 +234,17 @@ def main() -> int:
               f"{served:>12.1f} {served / plain if plain else 0:>12.2f} {asked:>14}  {same}")
     if any(r.get("streams") for r in results):
         print(f"\n{'mode':<{width}} {'streams':>7} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13}"
-              f" {'served tok/s':>12} {'served/plain':>12}  (aggregate, prefill included; every reply's ids as its "
-              "prompt alone)")
+              f" {'served tok/s':>12} {'served/plain':>12} {'served windows drafted/plain':>28} {'kept/offered':>13}"
+              "  (aggregate, prefill included; every reply's ids as its prompt alone)")
         for r in results:
             for cell in r.get("streams", []):
                 plain, drafted, served = cell["plain_tok_s"], cell["drafted_tok_s"], cell["served_tok_s"]
                 print(f"{r['mode']:<{width}} {cell['streams']:>7} {plain:>11.1f} {drafted:>13.1f} "
                       f"{drafted / plain if plain else 0:>13.2f} {served:>12.1f} "
-                      f"{served / plain if plain else 0:>12.2f}")
+                      f"{served / plain if plain else 0:>12.2f} "
+                      f"{'{drafted}/{plain}'.format(**cell['served_windows']):>28} {cell['served_kept']:>13}")
     if args.mlx_lm:
-        compare_peer(args, first)
+        compare_peer(args, results)
     return 0
 
 
