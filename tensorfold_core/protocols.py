@@ -68,6 +68,17 @@ class TappedRows:
     rows: mx.array
 
 
+def missing_members(obj, protocol: type) -> list[str]:
+    """The members `protocol` (and the protocols it extends) declares that `obj` lacks, found by plain attribute
+    lookup, so an mlx Module's dict-held members count on every Python (isinstance misses them from 3.12)."""
+    names: set[str] = set()
+    for cls in protocol.__mro__:
+        if getattr(cls, "_is_protocol", False) and cls is not Protocol:
+            names |= set(getattr(cls, "__annotations__", {}))
+            names |= {name for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+    return sorted(name for name in names if not hasattr(obj, name))
+
+
 def can_keep_later(model) -> bool:
     """Whether `model` is a LookaheadModel. Not isinstance: from Python 3.12 a runtime protocol's check reads
     attributes statically and misses what an mlx Module keeps in its own dict (a family's `kernels`)."""

@@ -10,7 +10,7 @@ from tensorfold_core.lanes.ahead import LOOKAHEAD_ENV, Lookahead
 from tensorfold_core.lanes.rows import Penalties
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_model
-from tensorfold_core.protocols import can_keep_later
+from tensorfold_core.protocols import LookaheadModel, Model, can_keep_later, missing_members
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import Run, tiny_llama_checkpoint
 
@@ -116,3 +116,11 @@ def test_the_lookahead_finds_a_family_model_whose_attributes_live_in_its_module_
     with pytest.raises(AttributeError):  # what Python 3.12's isinstance on a runtime protocol reads: it misses them
         inspect.getattr_static(model, "kernels")
     assert can_keep_later(model) and Lookahead(model, True).on
+
+
+def test_missing_members_counts_a_module_dict_member_and_names_what_an_object_lacks(model):
+    assert missing_members(model, LookaheadModel) == []  # its `kernels` lives in the module's dict
+    stripped = type("Stripped", (), {name: getattr(model, name) for name in ("forward", "keep", "vocab_size")})()
+    lacking = missing_members(stripped, Model)
+    assert "kernels" in lacking and "new_cache" in lacking and "forward" not in lacking and "keep" not in lacking
+    assert "keep_later" in missing_members(stripped, LookaheadModel)  # a protocol's own members and its bases'
