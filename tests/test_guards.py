@@ -113,6 +113,24 @@ def test_when_the_other_mode_wins_its_run_starts_again_from_512():
     assert guard.run_length(2) == 1024  # and plain won again
 
 
+def test_a_drafted_run_that_falls_below_the_plain_rate_stops_after_16_rounds_and_both_are_measured_again():
+    guard = SharedGuard()
+    run_shared(guard, 17 + 5)  # drafting wins its 4-round measure
+    assert guard.drafted(2)
+    # then its rounds turn dear: a run of 512 would pay for them; it stops after 16 measured rounds instead, plain
+    # is measured again, and against the run's own rate plain wins and runs
+    spans = runs(run_shared(guard, 16 + 17 + 5, drafted=(2, 15.0)))
+    assert spans == [(True, 16), (False, 17 + 5)]
+    assert not guard.drafted(2) and guard.run_length(2) == 512
+
+
+def test_a_drafted_run_above_the_plain_rate_runs_its_whole_length():
+    guard = SharedGuard()
+    run_shared(guard, 17 + 5)
+    spans = runs(run_shared(guard, 512, drafted=(3, 14.0)))  # dearer than it was measured, still above plain
+    assert spans == [(True, 512)]
+
+
 @pytest.mark.parametrize("speedup, drafts", [(1.04, False), (1.06, True)])
 def test_drafted_rounds_must_beat_plain_ones_by_5_percent(speedup, drafts):
     guard = SharedGuard()
@@ -128,15 +146,16 @@ def test_a_modes_first_round_is_not_measured():
     assert guard.drafted(2)
 
 
-def test_a_measuring_stretch_leaves_out_the_drafters_catch_up_and_a_run_pays_it():
+def test_a_measuring_stretch_leaves_out_the_drafters_catch_up_and_a_run_pays_it_and_stops():
     guard, modes = SharedGuard(), []
     for _ in range(17 + 5 + 512 + 17 + 3):
         mode = guard.drafted(2)
         # every drafted round spends 100 ms feeding the drafter: 6 tokens in 115 ms lose to 2 in 10
         guard.observe(2, mode, *((6, 115.0, 100.0) if mode else (2, 10.0, 0.0)))
         modes.append(mode)
-    # measured, drafting wins without the catch-up; over its run it pays it, loses, and plain runs
-    assert runs(modes) == [(False, 17), (True, 5 + 512), (False, 17 + 3)]
+    # measured, drafting wins without the catch-up; its run pays it and falls below plain, so after 16 rounds plain
+    # is measured again and runs
+    assert runs(modes) == [(False, 17), (True, 5 + 16), (False, 17 + 512 - 16 + 3)]
 
 
 def test_stream_counts_share_a_verdict_by_bands_1_2_3_to_4_5_to_8_9_to_16():
@@ -151,9 +170,10 @@ def test_rounds_at_7_and_6_streams_run_the_verdict_measured_at_8(drafted, wins):
     run_shared(guard, 17 + 5, streams=8, plain=(8, 10.0), drafted=drafted)
     assert guard.drafted(8) is wins
     # as streams finish the count walks down within the band, and the winner's run goes on where it was
-    modes = run_shared(guard, 200, streams=7) + run_shared(guard, 312 - 1, streams=6)
+    rates = {"plain": (8, 10.0), "drafted": drafted}  # as measured: a run at the rates it won by runs its length
+    modes = run_shared(guard, 200, streams=7, **rates) + run_shared(guard, 312 - 1, streams=6, **rates)
     assert modes == [wins] * 511 and guard.drafted(5) is wins
-    run_shared(guard, 1, streams=6)
+    run_shared(guard, 1, streams=6, **rates)
     assert guard.drafted(6) is not wins  # the run of 512 is over: the other mode is measured again
 
 

@@ -20,6 +20,9 @@ SHARED_MEASURE_PLAIN = 16  # measured rounds that give a band of stream counts i
 SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a band of stream counts its drafted rate
 SHARED_RUN = 512  # rounds the faster mode runs before the other one is measured again
 SHARED_RUN_GROWTH = 64  # a mode that keeps winning runs up to this many times SHARED_RUN
+# measured rounds after which a drafted run whose rate has fallen below plain's stops, and both are measured again:
+# a 4-round measure can pick drafting by chance, and a run of 512 rounds would pay for it (the law: drafts only help)
+SHARED_RUN_CHECK = 16
 LONE_STRETCH = 16  # measured rounds in a lone stream's drafted stretch (and in a plain one taken to compare)
 LONE_FIRST_WAIT = 16  # plain rounds after a lost stretch before drafting is measured again
 LONE_MAX_WAIT = 512  # the most that wait doubles to while plain keeps winning
@@ -157,10 +160,17 @@ class SharedGuard:
             # drafts after plain rounds first catch up what those rounds committed: a switch's cost, once, that a
             # 4-round stretch would read as drafting's; a run's long stretch pays its catch-up like any other time
             entry.stretch.add(tokens, ms if entry.running else ms - catch_up)
-        done = (entry.stretch.rounds >= entry.run if entry.running
+        done = (entry.stretch.rounds >= entry.run or self._losing(entry) if entry.running
                 else entry.stretch.measured >= self.measure[entry.drafted])
         if done:
             self._next(entry)
+
+    @staticmethod
+    def _losing(entry: _CountBand) -> bool:
+        """A drafted run whose own rate, over enough rounds, is below the plain rate it was chosen against."""
+        plain = entry.rates[False]
+        return (entry.drafted and plain is not None and entry.stretch.measured >= SHARED_RUN_CHECK
+                and entry.stretch.rate < plain)
 
     def _next(self, entry: _CountBand) -> None:
         if entry.stretch.measured:
