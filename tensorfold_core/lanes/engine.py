@@ -17,6 +17,11 @@ from .rows import RowStage
 from .stream import Stream
 from .types import ErrorEvent, SpecCounters
 
+# a stream that may draft runs ahead once this many of its rounds in a row held no drafts (its guard stands it aside,
+# its drafter or copies find nothing): its next round is most likely plain too, and a queued step that a round with
+# drafts does not take costs one forward, closed unkept
+AHEAD_AFTER_UNDRAFTED = 3
+
 
 @dataclass
 class Turn:
@@ -65,6 +70,8 @@ class Engine:
         self.rounds = 0
         self.last_windows: list[int] = []  # each window's rows in the last round (round() sets it)
         self.counters = SpecCounters()
+        self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
+        self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
 
     def add(self, stream: Stream) -> None:
         request = stream.request
@@ -97,6 +104,13 @@ class Engine:
         """Whether the stream's next window may carry drafts (a copy, a grammar's forced run, the drafter's)."""
         return self.depth_for(stream) > 0 and (self.drafter is not None or self.copy_drafts
                                                or stream.stage.constraint is not None)
+
+    def _drafts_next(self, stream: Stream) -> bool:
+        """Whether the stream's next window is likely to carry drafts: it may draft, and its last rounds did."""
+        if not self._may_draft(stream):
+            return False
+        after = self.ahead_after_undrafted
+        return after is None or self._undrafted.get(stream.id, 0) < after
 
     def plan(self) -> list[Turn]:
         """Every decoding stream's pending token and drafts, plus prompt chunks up to one chunk's rows."""
@@ -221,8 +235,8 @@ class Engine:
             if logits is None:
                 logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
                                             [1 + len(t.drafts) if t.draws else 0 for t in group])
-            # only streams that cannot draft run ahead: a step the next round's drafts replace is a forward wasted
-            if ahead and self.ahead.eligible(group) and not any(self._may_draft(t.stream) for t in group):
+            # streams that will likely draft next round do not run ahead: a step their drafts replace is wasted
+            if ahead and self.ahead.eligible(group) and not any(self._drafts_next(t.stream) for t in group):
                 tokens = self.ahead.launch(group, logits)  # each window's row kept: the next step is queued
             rows = np.array(logits, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
@@ -259,6 +273,8 @@ class Engine:
         return verified
 
     def _count(self, turn: Turn, accepted: int) -> None:
+        sid = turn.stream.id
+        self._undrafted[sid] = 0 if turn.drafts else self._undrafted.get(sid, 0) + 1
         stats = turn.stream.stats
         stats.rounds += 1
         stats.drafted += len(turn.drafts)
@@ -270,6 +286,7 @@ class Engine:
     def _forget(self, stream: Stream, kept: bool = True) -> None:
         self.ahead.drop()  # a queued step for a leaving stream is closed before its state goes back
         self.streams.pop(stream.id, None)
+        self._undrafted.pop(stream.id, None)
         self.copy.release(stream.id)
         self.planner.leave(stream.id)
         if self.drafter is not None:
