@@ -15,11 +15,12 @@
 # "Drafted" windows carry --depth drafter drafts each, unpriced, copies off (check mode); "served" is the engine as a
 # server runs it (timed: depths priced by measured costs, the guards, copy drafts on), one engine for every prompt so
 # what it learned on the untimed pass carries over as on a server that has run a while; "drafter rounds" counts its
-# rounds that asked the drafter (the others verified copies or ran plain). --mlx-lm adds mlx-lm `stream_generate` on
-# the target in a child of its own (each prompt once untimed, then timed), its greedy ids checked against a `builtin`
-# mode's plain ones (MLX's own ops; the first mode's where no builtin mode ran), up to its eos, before its rate is
-# printed beside each mode's, with how many of each mode's ids agree with its (a row-invariant table's bf16 sums
-# round apart from MLX's, so its ids may part from theirs).
+# rounds that asked the drafter (the others verified copies or ran plain). --mlx-lm adds plain cells on one-id
+# prompts (each code prompt's first id) and mlx-lm `stream_generate` on them in a child of its own (each once
+# untimed, then timed): with no prompt to split, mlx-lm's forwards have our rows' shapes, so on a backend whose ops
+# are not row-invariant (CUDA) its ids can still equal a `builtin` mode's (MLX's own ops; the first mode's where no
+# builtin mode ran), which they must, up to its eos, before its rate is printed beside each mode's plain rate, with
+# how many of each mode's ids agree with its (a row-invariant table's bf16 sums round apart from MLX's).
 
 from __future__ import annotations
 
@@ -104,6 +105,14 @@ def child(args) -> dict:
                                "drafted_rounds": len(drafted_rounds), "plain_rounds": len(plain_rounds),
                                "drafted_round_ms": round(mean([r["ms"] for r in drafted_rounds[1:]]), 2),
                                "drafter_ms": round(1000 * drafter_s / max(len(drafted_rounds), 1), 2)})
+    out["peer_prompts"] = []
+    for text in prompts if args.mlx_lm else []:  # one-id prompts: no prefill split, so MLX's ops meet mlx-lm's rows
+        req = GenerationRequest(prompt_ids=tokenizer.encode(text)[:1], max_tokens=args.tokens,
+                                stop_token_ids=frozenset())
+        decode(engines()[0], req, 1 + args.tokens)
+        ids, rounds, _ = decode(engines()[0], req, 1 + args.tokens)
+        out["peer_prompts"].append({"prompt_ids": req.prompt_ids, "plain_ids": ids,
+                                    "plain_tok_s": round(decode_rate(rounds, len(ids)), 1)})
     out["streams"] = []
     for n in args.streams:
         requests = [request(prompts[i % len(prompts)]) for i in range(n)]
@@ -147,27 +156,26 @@ def peer(args) -> dict:
 
 
 def compare_peer(args, results: list[dict]) -> None:
-    """mlx-lm's greedy ids against a `builtin` mode's plain ones (the same MLX ops; the first mode's where none ran),
-    to its eos where it stops; then every mode's rates against its rate, with how far each mode's ids agree."""
+    """mlx-lm on one-id prompts (the code prompts' first ids: with no prompt to split, its rows are ours row for row)
+    against a `builtin` mode's plain replies to them (the same MLX ops; the first mode's where none ran), to its eos
+    where it stops; then each mode's plain rate on them against its rate, with how far each mode's ids agree."""
     reference = next((r for r in results if r["mode"].partition(":")[0] == "builtin"), results[0])
     done = subprocess.run([sys.executable, __file__, args.target, args.drafter, "--tokens", str(args.tokens),
-                           "--peer"], input=json.dumps([p["prompt_ids"] for p in reference["prompts"]]),
+                           "--peer"], input=json.dumps([p["prompt_ids"] for p in reference["peer_prompts"]]),
                           capture_output=True, text=True)
     if done.returncode:
         raise BenchMismatch(f"mlx-lm: the child failed: {done.stderr[-2000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])["prompts"]
-    for i, (theirs, ours) in enumerate(zip(got, reference["prompts"])):
-        check_same_ids(f"mlx-lm against {reference['mode']} plain, prompt {i}",
+    for i, (theirs, ours) in enumerate(zip(got, reference["peer_prompts"])):
+        check_same_ids(f"mlx-lm against {reference['mode']} plain, one-id prompt {i}",
                        ours["plain_ids"][:len(theirs["ids"])], theirs["ids"])
     rate = mean([p["tok_s"] for p in got])
-    print(f"\nmlx-lm generate {rate:.1f} tok/s, its greedy ids those of {reference['mode']} plain")
+    print(f"\nmlx-lm generate on one-id prompts {rate:.1f} tok/s, its greedy ids those of {reference['mode']} plain")
     for r in results:  # a row-invariant table's bf16 sums differ from MLX's, so its ids may part from theirs
-        plain = mean([p["plain_tok_s"] for p in r["prompts"]])
-        served = mean([p["served_tok_s"] for p in r["prompts"]])
-        agree = sum(agreeing(p["plain_ids"][:len(t["ids"])], t["ids"]) for p, t in zip(r["prompts"], got))
-        print(f"  {r['mode']}: plain / mlx-lm {plain / rate if rate else 0:.2f}, served / mlx-lm "
-              f"{served / rate if rate else 0:.2f}; plain ids as mlx-lm's for {agree} of "
-              f"{sum(len(t['ids']) for t in got)} tokens (each prompt to its first difference)")
+        plain = mean([p["plain_tok_s"] for p in r["peer_prompts"]])
+        agree = sum(agreeing(p["plain_ids"][:len(t["ids"])], t["ids"]) for p, t in zip(r["peer_prompts"], got))
+        print(f"  {r['mode']}: plain {plain:.1f} tok/s, {plain / rate if rate else 0:.2f}x mlx-lm; its ids as "
+              f"mlx-lm's for {agree} of {sum(len(t['ids']) for t in got)} tokens (each prompt to its first difference)")
 
 
 def agreeing(ours: list[int], theirs: list[int]) -> int:
@@ -201,7 +209,8 @@ def main() -> int:
         return 0
     results = [kernel_mode_child(__file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens",
                                  str(args.tokens), "--prompts", str(args.prompts), "--streams",
-                                 ",".join(map(str, args.streams))) for mode in args.modes.split(",")]
+                                 ",".join(map(str, args.streams)), *(["--mlx-lm"] if args.mlx_lm else []))
+               for mode in args.modes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
