@@ -238,13 +238,15 @@ class LlamaDrafter:
         self.slots = {k: s for k, s in self.slots.items() if id(s) not in failed}
 
     def _chain(self, caches: list[KVCache], feeds: list[list[int]], depths: list[int]) -> list[list[int]]:
-        """Run the first (ragged) windows, then one row per stream a step; one mx.eval for the whole chain."""
+        """Run the first (ragged) windows, then one row per stream a step, each step queued as it is built; one wait
+        for the whole chain."""
         model, limit = self.model, self.vocab_limit
         ids = mx.array([t for feed in feeds for t in feed], dtype=mx.uint32)
         logits = model.forward_ids(caches, ids, [len(f) for f in feeds], [1] * len(feeds), commit=True)
         self._count(sum(len(f) for f in feeds))
         # the chain may run past an eos: stopping would need a host read; the draft is cut after the eval
         token = mx.argmax(logits[:, :limit], axis=-1)  # ties go to the lowest id, as the target's greedy draw
+        mx.async_eval(token)  # the device runs each step while Python builds the next, as mlx-lm's generate loop does
         steps = [token]
         for step in range(1, depths[0]):
             m = sum(1 for d in depths if d > step)
@@ -252,6 +254,7 @@ class LlamaDrafter:
             logits = model.forward_ids(caches[:m], token, [1] * m, [1] * m, commit=True)
             self._count(m)
             token = mx.argmax(logits[:, :limit], axis=-1)
+            mx.async_eval(token)
             steps.append(token)
         mx.eval(steps, [c.keys + c.values for c in caches])  # the caches too, so no graph outlives the call
         return [s.tolist() for s in steps]
