@@ -158,3 +158,23 @@ def test_bench_family_runs_the_shipped_tiny_model_to_exit_0():
                            "1"], capture_output=True, text=True, cwd=BENCH, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "same greedy tokens" in done.stdout
+
+
+def test_the_gpu_pair_bench_runs_the_shipped_pair_on_the_cpu_with_served_cells_and_mlx_lm_to_exit_0():
+    done = subprocess.run([sys.executable, str(BENCH / "bench_gpu_pair.py"), "tiny-llama", "tiny-llama-drafter",
+                           "--modes", "builtin,table", "--tokens", "8", "--prompts", "1", "--streams", "2",
+                           "--mlx-lm"], capture_output=True, text=True, cwd=BENCH, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("table ") and line.rstrip().endswith("True") for line in lines)  # same ids as builtin
+    assert any(line.split()[:2] == ["table", "2"] for line in lines)  # the 2-stream cell, served column included
+    assert "its greedy ids those of builtin plain" in done.stdout and "8 of 8 tokens" in done.stdout
+
+
+def test_the_round_time_tool_times_every_part_of_a_drafted_round_on_the_cpu():
+    tool = BENCH.parent / "tools" / "device" / "round_time.py"
+    done = subprocess.run([sys.executable, str(tool), "tiny-llama", "tiny-llama-drafter", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for part in ("target forward 8 rows", "drafter (MLX ops) propose depth 4", "drafter (table) propose depth 4"):
+        assert part in done.stdout
