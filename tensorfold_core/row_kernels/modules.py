@@ -217,14 +217,9 @@ def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], ki
     the row invariance is the kernels' own."""
     if not compiling(usable, kind):
         return False
-    compile_parts(layers, traceable)
-    return True
-
-
-def compile_parts(layers: Sequence[nn.Module], traceable: Callable[[nn.Module], Sequence[bool]] | None = None) -> None:
-    """Compile each layer's cache-free parts, whatever serves its ops (compile_halves decides for a family)."""
     for layer in layers:
         halves = layer.halves or (layer.before, layer.after)
         allowed = traceable(layer) if traceable else [True] * len(halves)
         object.__setattr__(layer, "halves", tuple(ShapeCompiled(half) if ok else half
                                                   for half, ok in zip(halves, allowed)))
+    return True
