@@ -170,7 +170,7 @@ def check_keep(cache: WindowCache, rows: int) -> None:
 
 
 def grown(arrays: list[mx.array], rows: int) -> list[mx.array]:
-    """Keys or values [1, heads, size, dim] padded by GROW_STEP rows at a time until they hold `rows` rows."""
+    """Keys or values [1 or layers, heads, size, dim] padded by GROW_STEP rows at a time until they hold `rows` rows."""
     size = arrays[0].shape[2] if arrays else rows
     if rows <= size:
         return arrays

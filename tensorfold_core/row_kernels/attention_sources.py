@@ -229,3 +229,45 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
 }
 if (tid < D) out[((size_t)row * H + head) * D + tid] = O / L;
 """
+
+
+# The packed-streams form: one launch for every stream's window of a forward. The body above, row for row, but row r
+# takes its stream's slot, position p and the packed index of its window's first row from rowmap [rows, 3]; keys and
+# values before the window's first position come from the stream's cache, a whole [layers, KV, C, D] buffer (slot s
+# is the input pair k<s>, v<s>; dims [rows, H, KV, layer, window, C0, ..., C7]); the window's own keys and values
+# from the packed kn, vn [rows, KV, D], so the caches are written once a forward, after the last layer. The keys read
+# and the order every sum runs in are the body's: a row's result is the one the single-stream call gives.
+STREAM_SLOTS = 8  # streams one launch takes; a forward with more launches once per 8
+
+
+def _streams(body: str) -> str:
+    """The single-stream body with its position prologue and its key and value loads replaced."""
+    edits = [
+        ("const int C = dims[3];\nconst int offset = dims[4];\nconst int window = dims[5];\n",
+         "const int layer = dims[3];\nconst int window = dims[4];\n"),
+        ("const int p = offset + row;\n",
+         "const int slot = rowmap[3 * row];\nconst int p = rowmap[3 * row + 1];\n"
+         "const int wrow = rowmap[3 * row + 2];  // the packed index of the window's first row\n"
+         "const int off = p - (row - wrow);  // the window's first position: keys from here on are packed rows\n"
+         "const int C = dims[5 + slot];\n"
+         "const auto kc = " + " : ".join(f"slot == {s} ? k{s}" for s in range(STREAM_SLOTS - 1))
+         + f" : k{STREAM_SLOTS - 1};\n"
+         "const auto vc = " + " : ".join(f"slot == {s} ? v{s}" for s in range(STREAM_SLOTS - 1))
+         + f" : v{STREAM_SLOTS - 1};\n"),
+        ("const size_t kv0 = (size_t)kvh * C;",
+         "const size_t kv0 = ((size_t)layer * KV + kvh) * C;\n"
+         "const size_t kn0 = (size_t)kvh * D;  // key j >= off of the row's stream: packed row wrow + j - off"),
+        ("k[(kv0 + j) * D + lane + 32 * c]",
+         "(j < off ? kc[(kv0 + j) * D + lane + 32 * c] : kn[(size_t)(wrow + j - off) * KV * D + kn0 + lane + 32 * c])"),
+        ("v[(kv0 + j) * D + d]",
+         "(j < off ? vc[(kv0 + j) * D + d] : vn[(size_t)(wrow + j - off) * KV * D + kn0 + d])"),
+    ]
+    for old, new in edits:
+        if body.count(old) != 1:
+            raise ValueError(f"the attention body holds {old!r} {body.count(old)} times, expected once")
+        body = body.replace(old, new)
+    return "// The packed-streams form: row r's stream, position and window from rowmap (attention_sources.py)\n" + body
+
+
+CUDA_STREAMS = _streams(CUDA)
+METAL_STREAMS = _streams(METAL)

@@ -78,3 +78,59 @@ class KVCache:
             self.values[layer][..., :tokens, :] = state.values[layer][..., :tokens, :]
         self.offset = tokens
         mx.eval(self.keys, self.values)
+
+
+class StackedKV:
+    """A KVCache whose layers are one buffer each for keys and values, [layers, kv_heads, capacity, head_dim]: where
+    every stream's window attention of a layer is one launch (the packed-streams record), a forward reads the caches
+    as they were and writes each stream's window for all its layers at once, after the last layer."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: mx.Dtype):
+        self.offset = 0
+        self.capacity = capacity
+        self.window: int | None = None
+        self.k = mx.zeros((layers, kv_heads, capacity + WINDOW_SLACK, head_dim), dtype)
+        self.v = mx.zeros((layers, kv_heads, capacity + WINDOW_SLACK, head_dim), dtype)
+
+    @property
+    def keys(self) -> list[mx.array]:
+        return [self.k]
+
+    @property
+    def values(self) -> list[mx.array]:
+        return [self.v]
+
+    def reserve(self, n: int) -> None:
+        """Grow the storage when a window reaches past it (a long prefill chunk near capacity)."""
+        (self.k,), (self.v,) = grown([self.k], self.offset + n), grown([self.v], self.offset + n)
+
+    def trim(self, tokens: int) -> None:
+        if not 0 <= tokens <= self.offset or self.window is not None:
+            raise ValueError(f"cannot trim a cache of {self.offset} tokens (window {self.window}) to {tokens}")
+        self.offset = tokens
+
+    def store_window(self, k: mx.array, v: mx.array) -> None:
+        """Store a window's keys and values of every layer, [layers, rows, kv_heads, head_dim], at offset.."""
+        end = self.offset + k.shape[1]
+        self.k[:, :, self.offset:end, :] = k.transpose(0, 2, 1, 3)
+        self.v[:, :, self.offset:end, :] = v.transpose(0, 2, 1, 3)
+
+    def commit(self, rows: int) -> list[mx.array]:
+        self.offset += rows
+        self.window = None
+        return [self.k, self.v]
+
+    def snapshot(self) -> KeptKV:
+        n = self.offset
+        keys, values = mx.contiguous(self.k[:, :, :n, :]), mx.contiguous(self.v[:, :, :n, :])
+        mx.eval(keys, values)
+        return KeptKV(n, [keys], [values])
+
+    def restore(self, state: KeptKV, tokens: int) -> None:
+        if not 0 <= tokens <= min(state.tokens, self.capacity):
+            raise ValueError(f"cannot restore {tokens} tokens of a state of {state.tokens} into capacity "
+                             f"{self.capacity}")
+        self.k[:, :, :tokens, :] = state.keys[0][:, :, :tokens, :]
+        self.v[:, :, :tokens, :] = state.values[0][:, :, :tokens, :]
+        self.offset = tokens
+        mx.eval(self.k, self.v)

@@ -289,12 +289,8 @@ class LlamaDrafter:
     def _resized(self, kept: Slot, capacity: int) -> Slot:
         """A kept slot's tokens in a cache of the admitted size: the old one goes once copied (while both live,
         the ledger holds the kept slot and the stream's reservation alike)."""
-        cache, n = self.model.new_cache(capacity), kept.cache.offset
-        for layer in range(len(cache.keys)):
-            cache.keys[layer][..., :n, :] = kept.cache.keys[layer][..., :n, :]
-            cache.values[layer][..., :n, :] = kept.cache.values[layer][..., :n, :]
-        cache.offset = n
-        mx.eval(cache.keys, cache.values)
+        cache = self.model.new_cache(capacity)
+        cache.restore(kept.cache.snapshot(), kept.cache.offset)  # either cache layout, through its own methods
         slot = Slot(cache)
         slot.tokens, slot.whole = kept.tokens, kept.whole
         return slot

@@ -12,7 +12,7 @@ from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
                                       packed_ids, picked_logits, swiglu)
 
-from .cache import KeptKV, KVCache
+from .cache import KeptKV, KVCache, StackedKV
 
 
 @dataclass
@@ -82,6 +82,24 @@ def row_positions(spans: Sequence[Span]) -> mx.array:
     return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
 
 
+StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
+
+
+def stream_groups(spans: Sequence[Span]) -> list[StreamGroup]:
+    """A forward's streams in groups of as many as one packed-streams launch takes, each with its rows' map."""
+    from tensorfold_core.row_kernels.attention_sources import STREAM_SLOTS
+    from tensorfold_core.row_kernels.attention_streams import packed
+
+    groups = []
+    for g in range(0, len(spans), STREAM_SLOTS):
+        part = spans[g:g + STREAM_SLOTS]
+        lo = part[0][0]
+        hi = part[-1][0] + part[-1][1]
+        layout = packed([(start - lo, n, cache.offset) for start, n, cache, _ in part])
+        groups.append((lo, hi, layout, [s[2].k for s in part], [s[2].v for s in part]))
+    return groups
+
+
 def llama3_freqs(dims: int, base: float, rope: dict) -> mx.array:
     """Llama 3.1 wavelengths: long ones stretched by `factor`, short ones kept, a smooth ramp between."""
     factor = rope["factor"]
@@ -114,6 +132,9 @@ class Attention(nn.Module):
         # True: q and k come roped from the layer's compiled first part, every row at its own position, one launch
         # for all streams' rows (serving.py, where the window attention record serves); False: roped per stream here
         self.roped = False
+        # the packed-streams record's implementation where it serves (serving.py): every stream's rows of a forward in
+        # one launch a layer, over caches the forward writes after its last layer (Model.forward_streams)
+        self.attend_streams = None
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values of every packed row."""
@@ -158,6 +179,19 @@ class Attention(nn.Module):
         # the record writes float32: one cast for every stream's rows, not a launch a stream (elementwise, so the same
         # bits either way)
         return mixed if self.attend is None else mixed.astype(queries.dtype)
+
+    def mix_streams(self, queries: mx.array, keys: mx.array, values: mx.array, groups: Sequence[StreamGroup],
+                    layer: int) -> mx.array:
+        """Every stream's rows over its cache before its window and the window's own rows: a launch for each group of
+        streams (one up to 8 streams), the caches read as the forward found them."""
+        outs = []
+        for lo, hi, packed, caches_k, caches_v in groups:
+            rows = slice(lo, hi)
+            q, k, v = (queries, keys, values) if len(groups) == 1 else (queries[rows], keys[rows], values[rows])
+            outs.append(self.attend_streams(q, k, v, caches_k, caches_v, packed, layer, self.scale,
+                                            self.sliding_window))
+        mixed = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        return mixed.reshape(queries.shape[0], -1).astype(queries.dtype)
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
         return self.o_proj(self.mix(*self.project(x), spans, layer))
@@ -227,6 +261,7 @@ class Model(nn.Module):
         self.dtype = mx.float32  # the activation dtype; the loader sets it from the weights
         self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
+        self.stacked = False  # caches of one buffer for all layers, written once a forward (serving.py sets it)
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -239,7 +274,8 @@ class Model(nn.Module):
 
     def new_cache(self, capacity: int, marks: int = 0) -> KVCache:
         a = self.args  # keys trim to any prefix, so no marks are needed
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads // self.shards, a.head_dim, capacity, self.dtype)
+        kind = StackedKV if self.stacked else KVCache
+        return kind(a.num_hidden_layers, a.num_key_value_heads // self.shards, a.head_dim, capacity, self.dtype)
 
     def snapshot(self, cache: KVCache) -> KeptKV:
         """A standalone copy of the committed tokens' keys and values (a kept prompt state)."""
@@ -270,12 +306,33 @@ class Model(nn.Module):
         spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
         positions = row_positions(spans) if self.model.layers[0].self_attn.roped else None
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, spans, i, positions)
+        if self.stacked:
+            h = self.forward_streams(h, spans, positions)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, spans, i, positions)
         close_windows(spans, commit)
         head = self.served_head or (self.model.embed_tokens.as_linear if self.args.tie_word_embeddings
                                     else self.lm_head)
         return picked_logits(h, pick, self.model.norm, head, self.vocab_size)
+
+    def forward_streams(self, h: mx.array, spans: Sequence[Span], positions: mx.array) -> mx.array:
+        """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
+        as they were; then each stream's window of every layer stored at once."""
+        groups = stream_groups(spans)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.model.layers):
+            before, after = layer.halves or (layer.before_roped, layer.after)
+            q, k, v = before(h, positions)
+            mixed = layer.self_attn.mix_streams(q, k, v, groups, i)
+            h = after(h, mixed)
+            new_keys.append(k)
+            new_values.append(v)
+        # stored after the last layer's attention has read the caches, so each buffer is updated in place
+        keys, values = mx.depends([mx.stack(new_keys), mx.stack(new_values)], [mixed])
+        for start, n, cache, _ in spans:
+            cache.store_window(keys[:, start:start + n], values[:, start:start + n])
+        return h
 
     def keep(self, cache: KVCache, rows: int) -> None:
         mx.eval(self.keep_later(cache, rows))  # cut the graph: a window whose rows gave no logits is computed here

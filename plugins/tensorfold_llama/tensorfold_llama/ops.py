@@ -14,4 +14,8 @@ OPS = {
     "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "llama rmsnorm"},
     # MLX's fast SDPA is not row-invariant on CUDA: each row over its own keys in fixed splits of 256 instead
     "attention": {"cpu": BUILTIN, "cuda": "llama window attention", "metal": "llama window attention"},
+    # the same sums for every stream of a forward in one launch, the caches written once after the last layer: where
+    # it serves (with the layers compiled), a forward's launches no longer grow with its streams in every layer
+    "attention streams": {"cpu": BUILTIN, "cuda": "llama window attention streams",
+                          "metal": "llama window attention streams"},
 }

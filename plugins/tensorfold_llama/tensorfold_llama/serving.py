@@ -13,6 +13,9 @@ from .ops import OPS
 # where the layers' parts are compiled, q and k are roped in the first part, every row at its own position, one
 # launch for all streams' rows (the default); "0" ropes each stream's window apart, to measure (docs/gpu.md)
 ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
+# where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
+# default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
+STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
 
 
 def serve_kernels(model, compiled: bool = True) -> dict:
@@ -52,5 +55,11 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
                 layer.self_attn.roped = True
+            if "attention streams" in usable and os.environ.get(STREAMS_ENV, "1") != "0":
+                from .kernels.attention import STREAMS_ATTENTION
+
+                for layer in blocks.layers:
+                    layer.self_attn.attend_streams = STREAMS_ATTENTION[kind]
+                model.stacked = True
         compile_halves(blocks.layers, usable, kind)
     return labels

@@ -6,4 +6,4 @@ def records() -> list:
     from . import argmax, attention, draw, gemv, rmsnorm, rope
 
     return [rmsnorm.RECORD, rope.NEOX, rope.INTERLEAVED, gemv.BF16, gemv.Q4, gemv.Q8, argmax.RECORD, draw.RECORD,
-            attention.RECORD]
+            attention.RECORD, attention.STREAMS]
