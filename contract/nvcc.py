@@ -64,8 +64,12 @@ def generated(source: Source, name: str, inputs: list, launch) -> str:
             + source.body + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
-def instances(reg, quick: bool) -> list[tuple[str, str, int]]:
-    """(label, text, declared static shared bytes) for each distinct build the record's cuda sources need."""
+REGISTERS_A_BLOCK = 65536  # what one block may hold on sm_90: a launch asking more fails ("too many resources")
+
+
+def instances(reg, quick: bool) -> list[tuple[str, str, int, int]]:
+    """(label, text, declared static shared bytes, threads a block) for each distinct build the record's cuda
+    sources need."""
     record = reg.record
     sources = [("cuda", record.implementations["cuda"])] if "cuda" in record.implementations else []
     for control in record.controls:
@@ -82,7 +86,9 @@ def instances(reg, quick: bool) -> list[tuple[str, str, int]]:
                 text = generated(source, _kernel_name("cuda", source), source.inputs(case), launch)
                 if text not in seen:
                     seen.add(text)
-                    out.append((f"{record.name} [{label}] {dict(launch.template)}", text, launch.static_shared))
+                    threads = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2]
+                    out.append((f"{record.name} [{label}] {dict(launch.template)}", text, launch.static_shared,
+                                threads))
             if quick:
                 break
     return out
@@ -148,14 +154,17 @@ def main(argv=None) -> int:
             for job in instances(reg, args.quick)]
     failed = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        for (label, _, declared), (ok, log) in zip(jobs, pool.map(lambda j: compile_one(j[1], args.include,
-                                                                                       args.arch), jobs)):
+        for (label, _, declared, threads), (ok, log) in zip(jobs, pool.map(
+                lambda j: compile_one(j[1], args.include, args.arch), jobs)):
             u = usage(log)
             notes = [f"{u['registers']} registers", f"{u['smem']} B smem"]
             if u["spill"]:
                 notes.append(f"{u['spill']} B spilled")
             if ok and u["smem"] > declared:
                 ok, log = False, f"uses {u['smem']} B of shared memory but its Launch declares {declared}"
+            if ok and (u["registers"] or 0) * threads > REGISTERS_A_BLOCK:
+                ok, log = False, (f"error: {u['registers']} registers x {threads} threads a block pass the "
+                                  f"{REGISTERS_A_BLOCK} a block may hold: its launch fails (too many resources)")
             failed += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {label}: {', '.join(notes)}")
             if not ok:

@@ -21,6 +21,9 @@ from tensorfold_contract.helpers import WIDEST, int_array, mx_dtype, rounded
 CACHES = tuple(f"k{s}" for s in range(STREAM_SLOTS)) + tuple(f"v{s}" for s in range(STREAM_SLOTS))
 NAMES = ("q", "kn", "vn", *CACHES, "rowmap", "scale", "dims")
 LAYERS = 2  # layers of the contract's caches: the call reads the last, the first is NaN
+# splits a block runs side by side: two, not the single-stream kernel's four, since choosing each key's source costs
+# registers (80-96 a thread at head_dim 64-128 on sm_90), and 1,024 threads of those pass what a block may hold
+GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def _dims(*values: int):
 
 @functools.lru_cache(maxsize=1024)
 def _launch_arguments(rows: int, heads: int, dim: int) -> dict:
-    launch = _geometry(rows, heads, dim)
+    launch = _geometry(rows, heads, dim, GROUPS)
     return dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
                 output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
 
@@ -218,7 +221,7 @@ def _kernel_inputs(case) -> list:
 def source(kind: str) -> Source:
     return Source("streams_attention", NAMES, ("out",), CUDA_STREAMS if kind == "cuda" else METAL_STREAMS,
                   inputs=_kernel_inputs,
-                  launch=lambda case: _geometry(case.rows, case.dims["heads"], case.dims["head_dim"]))
+                  launch=lambda case: _geometry(case.rows, case.dims["heads"], case.dims["head_dim"], GROUPS))
 
 
 CUDA_SLOT_IGNORED = swap("const int slot = rowmap[3 * row];", "const int slot = 0;")
