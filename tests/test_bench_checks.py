@@ -178,3 +178,12 @@ def test_the_round_time_tool_times_every_part_of_a_drafted_round_on_the_cpu():
     assert done.returncode == 0, done.stderr[-2000:]
     for part in ("target forward 8 rows", "drafter (MLX ops) propose depth 4", "drafter (table) propose depth 4"):
         assert part in done.stdout
+
+
+def test_the_decode_profile_tool_profiles_one_stream_and_several_on_the_cpu():
+    tool = BENCH.parent / "tools" / "device" / "profile_decode.py"
+    done = subprocess.run([sys.executable, str(tool), "tiny-llama", "--tokens", "6", "--streams", "2", "--top", "5"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "== 1 stream(s):" in done.stdout and "== 2 stream(s):" in done.stdout
+    assert done.stdout.count("Ordered by: internal time") == 2

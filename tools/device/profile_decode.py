@@ -1,0 +1,68 @@
+"""Where a plain decode's host time goes: cProfile of one greedy stream (and of N streams at once) on a checkpoint.
+
+    python3 tools/device/profile_decode.py TARGET [--tokens 128] [--streams 8] [--top 25]
+
+Each run is decoded once untimed (MLX builds its kernels on first use), then once under cProfile; prints the tok/s
+and the functions by their own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
+device (and for MLX's evaluation of the graph on the host); the rest is Python building graphs and planning
+rounds. Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+PROMPT = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n"
+
+
+def profiled(run, top: int) -> str:
+    """`run()` under cProfile: the top functions by their own time, as text."""
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench_gpu_pair import together
+
+    from tensorfold_core.lanes.engine import Engine
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.loading import load_target
+    from tensorfold_core.options import ServeOptions
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    target = load_target(args.target, ServeOptions(dtype="bfloat16"))
+    model, tokenizer = target.model, target.tokenizer
+    print(f"kernels {model.kernels}\nprobe {target.probe}")
+    for streams in (1, args.streams):
+        requests = [GenerationRequest(prompt_ids=tokenizer.encode(PROMPT), max_tokens=args.tokens,
+                                      stop_token_ids=frozenset()) for _ in range(streams)]
+        engine = Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)
+        together(model, engine, requests)  # warm: every shape built once
+        start = time.perf_counter()
+        together(model, engine, requests)
+        rate = streams * args.tokens / (time.perf_counter() - start)
+        print(f"\n== {streams} stream(s): {rate:.1f} tok/s unprofiled")
+        print(profiled(lambda: together(model, engine, requests), args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
