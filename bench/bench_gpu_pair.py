@@ -160,9 +160,8 @@ def peer(args) -> dict:
 
 def compare_peer(args, results: list[dict]) -> None:
     """mlx-lm on one-id prompts (the code prompts' first ids: with no prompt to split, its rows are ours row for row)
-    against a `builtin` mode's plain replies to them (the same MLX ops; the first mode's where none ran), to its eos
-    where it stops; then each mode's plain rate on them against its rate, with how far each mode's ids agree."""
-    reference = next((r for r in results if r["mode"].partition(":")[0] == "builtin"), results[0])
+    against the `builtin` mode's plain replies to them (the same MLX ops), to its eos where it stops; then each mode's plain rate on them against its rate, with how far each mode's ids agree."""
+    reference = next(r for r in results if r["mode"].partition(":")[0] == "builtin")
     done = subprocess.run([sys.executable, __file__, args.target, args.drafter, "--tokens", str(args.tokens),
                            "--peer"], input=json.dumps([p["prompt_ids"] for p in reference["peer_prompts"]]),
                           capture_output=True, text=True)
@@ -210,6 +209,10 @@ def main() -> int:
     if args.child or args.peer:
         print(json.dumps(child(args) if args.child else peer(args)))
         return 0
+    if args.mlx_lm and "builtin" not in [m.partition(":")[0] for m in args.modes.split(",")]:
+        # another table sums in its own order, so its ids may part from mlx-lm's on any backend but the CPU
+        raise SystemExit("--mlx-lm checks mlx-lm's ids against the builtin mode's (MLX's own ops): add builtin to "
+                         f"--modes (got {args.modes})")
     results = [kernel_mode_child(__file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens",
                                  str(args.tokens), "--prompts", str(args.prompts), "--streams",
                                  ",".join(map(str, args.streams)), *(["--mlx-lm"] if args.mlx_lm else []))

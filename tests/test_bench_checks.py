@@ -187,3 +187,9 @@ def test_the_decode_profile_tool_profiles_one_stream_and_several_on_the_cpu():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "== 1 stream(s):" in done.stdout and "== 2 stream(s):" in done.stdout
     assert done.stdout.count("Ordered by: internal time") == 2
+
+
+def test_the_gpu_pair_bench_refuses_mlx_lm_without_the_builtin_mode_its_ids_are_checked_against():
+    done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-llama", "tiny-llama-drafter", "--modes",
+                           "table,table:per-stream", "--mlx-lm"], capture_output=True, text=True, cwd=BENCH, timeout=120)
+    assert done.returncode != 0 and "add builtin to --modes" in done.stderr

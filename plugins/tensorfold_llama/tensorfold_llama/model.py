@@ -262,7 +262,6 @@ class Model(nn.Module):
         self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.stacked = False  # caches of one buffer for all layers, written once a forward (serving.py sets it)
-        self.joints = None  # compiled (after of layer i, before of layer i + 1), where serving.py joins them
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -322,19 +321,13 @@ class Model(nn.Module):
         as they were; then each stream's window of every layer stored at once."""
         groups = stream_groups(spans)
         new_keys, new_values = [], []
-        layers, joints = self.model.layers, self.joints
-        halves = [layer.halves or (layer.before_roped, layer.after) for layer in layers]
-        q, k, v = halves[0][0](h, positions)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.model.layers):
+            before, after = layer.halves or (layer.before_roped, layer.after)
+            q, k, v = before(h, positions)
             mixed = layer.self_attn.mix_streams(q, k, v, groups, i)
+            h = after(h, mixed)
             new_keys.append(k)
             new_values.append(v)
-            if joints is not None and i + 1 < len(layers):  # this layer's second part and the next one's first
-                h, q, k, v = joints[i](h, mixed, positions)
-                continue
-            h = halves[i][1](h, mixed)
-            if i + 1 < len(layers):
-                q, k, v = halves[i + 1][0](h, positions)
         # stored after the last layer's attention has read the caches, so each buffer is updated in place
         keys, values = mx.depends([mx.stack(new_keys), mx.stack(new_values)], [mixed])
         for start, n, cache, _ in spans:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (RecordLinear, ShapeCompiled, compile_halves, compiling, fused,
-                                                 projection_op, swaps)
+from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, compiling, fused, projection_op, swaps
 
 from .kernels import records
 from .ops import OPS
@@ -17,9 +16,6 @@ ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 # where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
 # default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
 STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
-# there, a layer's second part and the next layer's first are one compiled call (the default); "0" keeps the halves
-# apart, to measure (docs/gpu.md)
-JOIN_ENV = "TENSORFOLD_JOIN_LAYERS"
 
 
 def serve_kernels(model, compiled: bool = True) -> dict:
@@ -66,19 +62,4 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                     layer.self_attn.attend_streams = STREAMS_ATTENTION[kind]
                 model.stacked = True
         compile_halves(blocks.layers, usable, kind)
-        if model.stacked and os.environ.get(JOIN_ENV, "1") != "0":
-            layers = blocks.layers
-            object.__setattr__(model, "joints", [ShapeCompiled(joined(layers[i], layers[i + 1]))
-                                                 for i in range(len(layers) - 1)])
     return labels
-
-
-def joined(layer, following):
-    """A layer's part after its attention and the next layer's part before it, as one function to compile: one
-    compiled call between two attentions instead of two (the same ops, so the same bits)."""
-
-    def joint(x, mixed, positions):
-        h = layer.after(x, mixed)
-        return (h, *following.before_roped(h, positions))
-
-    return joint

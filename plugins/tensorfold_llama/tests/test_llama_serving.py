@@ -189,10 +189,8 @@ def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for
     monkeypatch.setenv(ROPE_ROWS_ENV, rope_rows)
     compiled, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert type(compiled.model.layers[0].halves[0]) is not MethodType  # mx.compile's wrapper
-    # "1": rope moved into the compiled part, one position a row, every stream's attention one launch a layer, and a
-    # layer's second part compiled with the next one's first
-    assert compiled.model.layers[0].self_attn.roped == compiled.stacked == (compiled.joints is not None) == \
-        (rope_rows == "1")
+    # "1": rope moved into the compiled part, one position a row, and every stream's attention one launch a layer
+    assert compiled.model.layers[0].self_attn.roped == compiled.stacked == (rope_rows == "1")
     monkeypatch.setenv(COMPILE_ENV, "0")
     plain, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert plain.model.layers[0].halves is None and not plain.model.layers[0].self_attn.roped  # op by op
@@ -209,25 +207,21 @@ def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for
 def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_of_one_launch_a_stream(through_records,
                                                                                                     monkeypatch):
     from tensorfold_llama.cache import StackedKV
-    from tensorfold_llama.serving import JOIN_ENV, STREAMS_ENV
+    from tensorfold_llama.serving import STREAMS_ENV
 
     monkeypatch.setenv(COMPILE_ENV, "1")
     packed, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    monkeypatch.setenv(JOIN_ENV, "0")
-    halves, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     monkeypatch.setenv(STREAMS_ENV, "0")
     apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    assert packed.stacked and halves.stacked and isinstance(packed.new_cache(8), StackedKV) and not apart.stacked
-    assert packed.joints is not None and halves.joints is None and apart.joints is None
-    models = (packed, halves, apart)
+    assert packed.stacked and isinstance(packed.new_cache(8), StackedKV) and not apart.stacked
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     prompts = [prompts[i % len(prompts)][:5 + 3 * i] for i in range(10)]  # ten streams, ragged prompts
-    caches = {id(m): [m.new_cache(96) for _ in prompts] for m in models}
+    caches = {id(m): [m.new_cache(96) for _ in prompts] for m in (packed, apart)}
     for windows in (prompts, [[7, 8, 9, 10]] * 10, [[11]] * 10, [[12, 13]] * 4):  # the last: four streams only
-        ours, joined_apart, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows])
-                                      for m in models)
-        assert mx.array_equal(ours, theirs).item() and mx.array_equal(joined_apart, theirs).item()
-        for m in models:
+        ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows])
+                        for m in (packed, apart))
+        assert mx.array_equal(ours, theirs).item()
+        for m in (packed, apart):
             for cache, window in zip(caches[id(m)], windows):
                 m.keep(cache, len(window) - 1)  # the last row unkept, as a rejected draft's
     for ours, theirs in zip(caches[id(packed)], caches[id(apart)]):  # each layer's committed keys and values
