@@ -105,6 +105,24 @@ def test_a_drafting_stream_runs_ahead_only_after_rounds_without_drafts_with_the_
     assert runs[1].engine.ahead.used > 0 and runs[1].engine.counters.draft_tokens > 0
 
 
+def test_a_stream_one_round_past_its_last_drafts_holds_a_shared_round_back_no_longer_while_alone_it_waits_three():
+    from tensorfold_core.lanes.engine import AHEAD_AFTER_UNDRAFTED, AHEAD_AFTER_UNDRAFTED_SHARED
+
+    model = load_model("tiny-llama")[0]
+    run = Run(model, 1, lookahead=True)
+    run.submit(0, GenerationRequest(prompt_ids=list(range(40, 60)), max_tokens=12))
+    run.step()
+    engine = run.engine
+    (stream,) = engine.streams.values()
+    while stream.prefilling:
+        run.step()
+    assert engine._may_draft(stream)  # its prompt read, copies on: it may draft
+    assert (AHEAD_AFTER_UNDRAFTED, AHEAD_AFTER_UNDRAFTED_SHARED) == (3, 1)
+    for undrafted, alone, shared in ((0, True, True), (1, True, False), (3, False, False)):
+        engine._undrafted[stream.id] = undrafted  # its rounds in a row that held no drafts
+        assert engine._drafts_next(stream) == alone and engine._drafts_next(stream, shared=True) == shared
+
+
 def test_the_environment_switch_turns_lookahead_off(model, monkeypatch):
     monkeypatch.setenv(LOOKAHEAD_ENV, "0")
     assert not Lookahead(model).on

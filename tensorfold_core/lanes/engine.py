@@ -21,6 +21,10 @@ from .types import ErrorEvent, SpecCounters
 # its drafter or copies find nothing): its next round is most likely plain too, and a queued step that a round with
 # drafts does not take costs one forward, closed unkept
 AHEAD_AFTER_UNDRAFTED = 3
+# in a shared round a stream that may draft holds every stream's step back, so there it takes one round without
+# drafts: on the H200 at 8 streams the rule of 3 ran 86 of 131 rounds ahead against plain's 119 of 135, for 9 drafted
+# windows of 967 (docs/performance.md, fifth visit)
+AHEAD_AFTER_UNDRAFTED_SHARED = 1
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Engine:
         self.last_windows: list[int] = []  # each window's rows in the last round (round() sets it)
         self.counters = SpecCounters()
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
+        self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
 
     def add(self, stream: Stream) -> None:
@@ -105,11 +110,11 @@ class Engine:
         return self.depth_for(stream) > 0 and (self.drafter is not None or self.copy_drafts
                                                or stream.stage.constraint is not None)
 
-    def _drafts_next(self, stream: Stream) -> bool:
+    def _drafts_next(self, stream: Stream, shared: bool = False) -> bool:
         """Whether the stream's next window is likely to carry drafts: it may draft, and its last rounds did."""
         if not self._may_draft(stream):
             return False
-        after = self.ahead_after_undrafted
+        after = self.ahead_after_undrafted_shared if shared else self.ahead_after_undrafted
         return after is None or self._undrafted.get(stream.id, 0) < after
 
     def plan(self) -> list[Turn]:
@@ -236,7 +241,8 @@ class Engine:
                 logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
                                             [1 + len(t.drafts) if t.draws else 0 for t in group])
             # streams that will likely draft next round do not run ahead: a step their drafts replace is wasted
-            if ahead and self.ahead.eligible(group) and not any(self._drafts_next(t.stream) for t in group):
+            if ahead and self.ahead.eligible(group) and not any(self._drafts_next(t.stream, len(group) > 1)
+                                                                for t in group):
                 tokens = self.ahead.launch(group, logits)  # each window's row kept: the next step is queued
             rows = np.array(logits, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
