@@ -67,13 +67,13 @@ _BUILT: dict = {}
 
 
 def _source_streams_attention(kind: str, q, kn, vn, keys: Sequence, values: Sequence, streams: Packed, layer: int,
-                              scale: float, window: int | None):
+                              scale: float, window: int | None = None):
     import mlx.core as mx
 
-    rows, heads, dim = q.shape
-    _check(q, kn, keys)
-    if rows == 0:
-        return mx.zeros((0, heads, dim), mx.float32)
+    # a forward calls this once a layer: the checks, dims and launch are made once for each shape and layer
+    dims, launch = _prepared(tuple(q.shape), tuple(kn.shape), tuple(tuple(k.shape) for k in keys), layer, window or 0)
+    if q.shape[0] == 0:
+        return mx.zeros((0, *q.shape[1:]), mx.float32)
     kernel = _BUILT.get(kind)
     if kernel is None:
         body = CUDA_STREAMS if kind == "cuda" else METAL_STREAMS
@@ -83,39 +83,34 @@ def _source_streams_attention(kind: str, q, kn, vn, keys: Sequence, values: Sequ
     slots = len(keys)
     ks = [*keys, *[keys[0]] * (STREAM_SLOTS - slots)]  # a slot no row names is never read
     vs = [*values, *[values[0]] * (STREAM_SLOTS - slots)]
-    dims = _dims(rows, heads, kn.shape[1], layer, window or 0, *(k.shape[2] for k in ks))
-    (out,) = kernel(inputs=[q, kn, vn, *ks, *vs, streams.rowmap, _scale(scale), dims],
-                    **_launch_arguments(rows, heads, dim))
+    (out,) = kernel(inputs=[q, kn, vn, *ks, *vs, streams.rowmap, _scale(scale), dims], **launch)
     return out
 
 
-def _check(q, kn, keys: Sequence) -> None:
-    """A call no kernel here serves is refused, with why (shapes only: a forward calls this once a layer)."""
+def _check(q: tuple, kn: tuple, keys: Sequence[tuple]) -> None:
+    """A call no kernel here serves is refused, with why (from the shapes of q, kn and the caches)."""
     if not 1 <= len(keys) <= STREAM_SLOTS:
         raise ValueError(f"{len(keys)} streams in one launch: it takes 1 to {STREAM_SLOTS}")
-    rows, heads, dim = q.shape
-    if tuple(kn.shape) != (rows, kn.shape[1], dim) or any(k.ndim != 4 or k.shape[1:] != (kn.shape[1], k.shape[2], dim)
-                                                          for k in keys):
-        raise ValueError(f"packed keys {tuple(kn.shape)} and caches {[tuple(k.shape) for k in keys]} do not match "
-                         f"queries {tuple(q.shape)} as [rows, kv_heads, {dim}] and [layers, kv_heads, capacity, {dim}]")
-    if heads % kn.shape[1] or dim % 32 or SPLIT % dim:
-        raise ValueError(f"{heads} heads over {kn.shape[1]} kv heads of head_dim {dim}: the kernels take kv heads "
+    rows, heads, dim = q
+    if kn != (rows, kn[1], dim) or any(len(k) != 4 or k[1:] != (kn[1], k[2], dim) for k in keys):
+        raise ValueError(f"packed keys {kn} and caches {list(keys)} do not match queries {q} as "
+                         f"[rows, kv_heads, {dim}] and [layers, kv_heads, capacity, {dim}]")
+    if heads % kn[1] or dim % 32 or SPLIT % dim:
+        raise ValueError(f"{heads} heads over {kn[1]} kv heads of head_dim {dim}: the kernels take kv heads "
                          "dividing the heads and head_dim 32, 64, 128 or 256")
 
 
 @functools.lru_cache(maxsize=1024)
-def _dims(*values: int):
-    """The dims a layer's call reads (its index moves them), made once for every forward of a shape."""
+def _prepared(q: tuple, kn: tuple, keys: tuple, layer: int, window: int) -> tuple:
+    """A call's dims (the layer and the caches' capacities move them) and launch arguments, its shapes checked."""
     import mlx.core as mx
 
-    return mx.array(values, mx.int32)
-
-
-@functools.lru_cache(maxsize=1024)
-def _launch_arguments(rows: int, heads: int, dim: int) -> dict:
-    launch = _geometry(rows, heads, dim, GROUPS)
-    return dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
-                output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
+    _check(q, kn, keys)
+    capacities = [k[2] for k in keys] + [keys[0][2]] * (STREAM_SLOTS - len(keys))
+    dims = mx.array([q[0], q[1], kn[1], layer, window, *capacities], mx.int32)
+    launch = _geometry(q[0], q[1], q[2], GROUPS)
+    return dims, dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
+                      output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
 
 
 def cuda_streams_attention(*args, **kwargs):
@@ -211,7 +206,7 @@ def _kernel_inputs(case) -> list:
     import mlx.core as mx
 
     q, kn, vn, keys, values, streams, layer, scale, window = _call(case)
-    _check(q, kn, keys)
+    _check(tuple(q.shape), tuple(kn.shape), [tuple(k.shape) for k in keys])
     ks = [*keys, *[keys[0]] * (STREAM_SLOTS - len(keys))]
     vs = [*values, *[values[0]] * (STREAM_SLOTS - len(values))]
     dims = int_array([q.shape[0], q.shape[1], kn.shape[1], layer, window or 0, *(k.shape[2] for k in ks)])

@@ -176,3 +176,21 @@ def test_the_cuda_source_and_its_planted_controls_compile_for_sm90():
 def test_the_cuda_source_compiles_as_mlx_wraps_it_for_sm90():
     include = os.environ["TENSORFOLD_MLX_CUDA_INCLUDE"]
     assert nvcc.main(["--include", include, "--quick", "--only", "llama window attention"]) == 0
+
+
+def test_the_packed_streams_call_refuses_shapes_no_kernel_serves_naming_the_numbers():
+    import mlx.core as mx
+
+    from tensorfold_core.row_kernels.attention_streams import STREAMS_ATTENTION, packed
+
+    q, kn = mx.zeros((2, 8, 32), mx.bfloat16), mx.zeros((2, 2, 32), mx.bfloat16)
+    cache = mx.zeros((2, 2, 40, 32), mx.bfloat16)
+    streams = packed([(0, 2, 10)])
+    with pytest.raises(ValueError, match="9 streams in one launch: it takes 1 to 8"):
+        STREAMS_ATTENTION["cuda"](q, kn, kn, [cache] * 9, [cache] * 9, streams, 1, 0.17)
+    with pytest.raises(ValueError, match="do not match queries"):
+        STREAMS_ATTENTION["cuda"](q, kn, kn, [cache[0]], [cache[0]], streams, 1, 0.17)  # a cache of one layer's shape
+    with pytest.raises(ValueError, match="8 heads over 3 kv heads"):
+        three = mx.zeros((2, 3, 32), mx.bfloat16)
+        STREAMS_ATTENTION["cuda"](q, three, three, [mx.zeros((2, 3, 40, 32))], [mx.zeros((2, 3, 40, 32))], streams,
+                                  1, 0.17)
