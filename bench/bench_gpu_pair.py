@@ -120,11 +120,15 @@ def child(args) -> dict:
         counted = served.counters
         verdicts, kept, offered = dict(counted.verdicts), counted.accepted_tokens, counted.draft_tokens
         for name, engine in zip(("plain", "drafted", "served"), (*engines(), served)):
-            used, rounds = engine.ahead.used, engine.rounds
+            ahead = engine.ahead
+            before = (ahead.used, ahead.closed, ahead.held, engine.rounds)
             ids, seconds = together(model, engine, requests)
             cell[f"{name}_ids"], cell[f"{name}_tok_s"] = ids, round(sum(map(len, ids)) / seconds, 1)
-            # rounds whose forward the device had queued ahead while the host read the last one, of all rounds
-            cell[f"{name}_ahead"] = f"{engine.ahead.used - used}/{engine.rounds - rounds}"
+            # rounds whose forward the device had queued ahead while the host read the last one, queued steps closed
+            # unkept, rounds held back since a stream in them might draft next, and all rounds
+            used, closed, held, rounds = (now - then for now, then in
+                                          zip((ahead.used, ahead.closed, ahead.held, engine.rounds), before))
+            cell[f"{name}_ahead"] = f"{used}/{closed}/{held}/{rounds}"
         # what the served engine's windows did in the timed cell: drafted or plain where they could draft, and drafts
         cell["served_windows"] = {k: counted.verdicts[k] - verdicts[k] for k in verdicts}
         cell["served_kept"] = f"{counted.accepted_tokens - kept}/{counted.draft_tokens - offered}"
@@ -250,8 +254,9 @@ def main() -> int:
     if any(r.get("streams") for r in results):
         print(f"\n{'mode':<{width}} {'streams':>7} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13}"
               f" {'served tok/s':>12} {'served/plain':>12} {'served windows drafted/plain':>28} {'kept/offered':>13}"
-              f" {'ahead plain':>11} {'ahead served':>12}"
-              "  (aggregate, prefill included; every reply's ids as its prompt alone; ahead: rounds run ahead/all)")
+              f" {'ahead plain':>15} {'ahead served':>15}"
+              "  (aggregate, prefill included; every reply's ids as its prompt alone; ahead: rounds run ahead/steps"
+              " closed unkept/rounds held back for drafts/all rounds)")
         for r in results:
             for cell in r.get("streams", []):
                 plain, drafted, served = cell["plain_tok_s"], cell["drafted_tok_s"], cell["served_tok_s"]
@@ -259,7 +264,7 @@ def main() -> int:
                       f"{drafted / plain if plain else 0:>13.2f} {served:>12.1f} "
                       f"{served / plain if plain else 0:>12.2f} "
                       f"{'{drafted}/{plain}'.format(**cell['served_windows']):>28} {cell['served_kept']:>13} "
-                      f"{cell.get('plain_ahead', '-'):>11} {cell.get('served_ahead', '-'):>12}")
+                      f"{cell.get('plain_ahead', '-'):>15} {cell.get('served_ahead', '-'):>15}")
     if args.mlx_lm:
         compare_peer(args, results)
     return 0

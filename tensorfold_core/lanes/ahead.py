@@ -40,6 +40,8 @@ class Lookahead:
         self.on = on and can_keep_later(model) and not getattr(model, "reads_on_host", False)
         self.launched: Launched | None = None
         self.used = 0  # steps taken from the device as queued (tests and figures)
+        self.closed = 0  # steps queued and then closed unkept (the next round was another)
+        self.held = 0  # rounds that could have run ahead but did not, since a stream in them may draft next
 
     def eligible(self, turns: Sequence) -> bool:
         """Every window is one pending token that draws greedily, with no drafts, and the stream goes on after it."""
@@ -92,6 +94,7 @@ class Lookahead:
             self._close(launched)
 
     def _close(self, launched: Launched) -> None:
+        self.closed += 1
         for cache in launched.caches:
             if cache.window is not None:
                 try:

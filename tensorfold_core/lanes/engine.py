@@ -241,9 +241,11 @@ class Engine:
                 logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
                                             [1 + len(t.drafts) if t.draws else 0 for t in group])
             # streams that will likely draft next round do not run ahead: a step their drafts replace is wasted
-            if ahead and self.ahead.eligible(group) and not any(self._drafts_next(t.stream, len(group) > 1)
-                                                                for t in group):
-                tokens = self.ahead.launch(group, logits)  # each window's row kept: the next step is queued
+            if ahead and self.ahead.eligible(group):
+                if not any(self._drafts_next(t.stream, len(group) > 1) for t in group):
+                    tokens = self.ahead.launch(group, logits)  # each window's row kept: the next step is queued
+                else:
+                    self.ahead.held += 1
             rows = np.array(logits, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
