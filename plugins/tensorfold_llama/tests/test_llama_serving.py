@@ -214,6 +214,8 @@ def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_o
     monkeypatch.setenv(STREAMS_ENV, "0")
     apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert packed.stacked and isinstance(packed.new_cache(8), StackedKV) and not apart.stacked
+    stacked = packed.new_cache(96)  # the ledger's price of a cache is what a stacked one holds
+    assert sum(a.nbytes for a in stacked.keys + stacked.values) == packed.cache_bytes(96) == apart.cache_bytes(96)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     prompts = [prompts[i % len(prompts)][:5 + 3 * i] for i in range(10)]  # ten streams, ragged prompts
     caches = {id(m): [m.new_cache(96) for _ in prompts] for m in (packed, apart)}
