@@ -160,6 +160,8 @@ class Engine:
         """Copies first (free), the drafter for the rest; the planner prices every drawing window's depth
         (prompt chunks in the round count as its extra rows)."""
         self._asked = [t for t in turns if t.draws] if self.shared_rounds else []
+        if self.drafter is None and not self.copy_drafts and all(t.stream.stage.constraint is None for t in turns):
+            self._asked = []  # nothing can draft here: no copies, no drafter, no grammar's forced run to price
         if not self._asked:
             return
         rooms = [self.depth_for(t.stream) for t in self._asked]
