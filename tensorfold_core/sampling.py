@@ -78,8 +78,7 @@ def filtered_logprobs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def greedy_token(logits: np.ndarray) -> int:
     """Argmax with ties to the lowest id; a NaN never wins."""
-    clean = np.where(np.isnan(logits), -np.inf, logits)
-    return int(np.argmax(clean))
+    return draw_greedy(logits[None])[0]
 
 
 def draw(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
@@ -94,6 +93,15 @@ def draw(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -
 def draw_rows(rows: np.ndarray, params: SamplingParams, seed: int, first_position: int) -> list[int]:
     """Draws for consecutive rows of one window, the first at `first_position`."""
     if params.greedy:
-        clean = np.where(np.isnan(rows), -np.inf, rows)
-        return [int(t) for t in np.argmax(clean, axis=-1)]
+        return draw_greedy(rows)
     return [draw(row, params, seed, first_position + i) for i, row in enumerate(rows)]
+
+
+def draw_greedy(rows: np.ndarray) -> list[int]:
+    """Each row's argmax, ties to the lowest id, a NaN never winning: NumPy's argmax picks the first NaN where a row
+    holds one, so only such rows pay for a copy without them (one pass over the vocabulary for the rest)."""
+    picks = np.argmax(rows, axis=-1)
+    out = [int(t) for t in picks]
+    for i in np.flatnonzero(np.isnan(rows[np.arange(len(out)), picks])):
+        out[i] = int(np.argmax(np.where(np.isnan(rows[i]), -np.inf, rows[i])))
+    return out

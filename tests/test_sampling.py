@@ -23,6 +23,18 @@ def test_a_nan_never_wins_the_greedy_draw():
     assert greedy_token(row) == 0
 
 
+def test_rows_with_nans_draw_as_if_the_nans_were_minus_infinity_and_rows_without_are_untouched():
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((5, 300)).astype(np.float32)
+    rows[1, 7] = np.nan  # a NaN ahead of the maximum: NumPy's own argmax would pick it
+    rows[2, :] = np.nan  # nothing but NaN: the lowest id
+    rows[3, 40] = rows[3, 90] = rows[3].max() + 1  # a tie after a NaN
+    rows[3, 5] = np.nan
+    clean = np.where(np.isnan(rows), -np.inf, rows)
+    assert draw_rows(rows, SamplingParams(), 0, 0) == [int(t) for t in np.argmax(clean, axis=-1)]
+    assert draw_rows(rows, SamplingParams(), 0, 0)[2:4] == [0, 40]
+
+
 def test_a_seeded_draw_repeats_exactly_and_depends_on_seed_and_position(logits):
     params = SamplingParams(temperature=1.0, seed=7)
     first = [draw(logits, params, 7, p) for p in range(64)]
