@@ -4,6 +4,7 @@ a forward, after its last layer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from tensorfold_contract import Control, KernelRecord, Shape, Source, oversize_t
 
 from .attention import (CUDA_DROPPED_LAST_KEY, CUDA_WARPS_REVERSED_WHEN_MANY, LOOSE_ON_CUDA, NOT_INVARIANT_ON_CUDA,
                         SMALL, SPLIT, STALE, VMAX, WIDE, _attend, _geometry, _scale, tolerance)
+from .attention import shape as single_stream_shape
 from .attention_sources import CUDA_STREAMS, METAL_STREAMS, STREAM_SLOTS
 from tensorfold_contract.helpers import WIDEST, int_array, mx_dtype, rounded
 
@@ -225,9 +227,8 @@ CUDA_SLOT_IGNORED = swap("const int slot = rowmap[3 * row];", "const int slot = 
 def shape(label: str, model: dict, keys: int, streams: int, dtype: str = "bfloat16", rows: int = WIDEST,
           window: int = 0, heavy: bool = False) -> Shape:
     """`rows` rows of `streams` streams of a model's heads, the first stream's window ending at position keys - 1."""
-    dims = {"heads": model["heads"], "kv_heads": model["kv_heads"], "head_dim": model["head_dim"], "keys": keys,
-            "streams": streams, "window": window, "dtype": dtype}
-    return Shape(label, dims, rows, heavy)
+    one = single_stream_shape(label, model, keys, dtype, rows, window, heavy)
+    return dataclasses.replace(one, dims={**one.dims, "streams": streams})
 
 
 def record(family: str, shapes: tuple[Shape, ...]) -> KernelRecord:
