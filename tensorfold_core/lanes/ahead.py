@@ -40,7 +40,7 @@ class Lookahead:
         self.on = on and can_keep_later(model) and not getattr(model, "reads_on_host", False)
         self.launched: Launched | None = None
         self.used = 0  # steps taken from the device as queued (tests and figures)
-        self.closed = 0  # steps queued and then closed unkept (the next round was another)
+        self.closed = 0  # steps queued and then closed unkept (the next round was another, or a stream left)
         self.held = 0  # rounds that could have run ahead but did not, since a stream in them may draft next
 
     def eligible(self, turns: Sequence) -> bool:

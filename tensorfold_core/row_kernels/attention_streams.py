@@ -18,7 +18,7 @@ from .attention import (CUDA_DROPPED_LAST_KEY, CUDA_WARPS_REVERSED_WHEN_MANY, LO
                         SMALL, SPLIT, STALE, VMAX, WIDE, _attend, _geometry, _scale, tolerance)
 from .attention import shape as single_stream_shape
 from .attention_sources import CUDA_STREAMS, METAL_STREAMS, STREAM_SLOTS
-from tensorfold_contract.helpers import WIDEST, int_array, mx_dtype, rounded
+from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
 
 CACHES = tuple(f"k{s}" for s in range(STREAM_SLOTS)) + tuple(f"v{s}" for s in range(STREAM_SLOTS))
 NAMES = ("q", "kn", "vn", *CACHES, "rowmap", "scale", "dims")
@@ -72,8 +72,7 @@ def _source_streams_attention(kind: str, q, kn, vn, keys: Sequence, values: Sequ
                               scale: float, window: int | None = None):
     import mlx.core as mx
 
-    # a forward calls this once a layer: the checks, dims and launch are made once for each shape and layer
-    dims, launch = _prepared(tuple(q.shape), tuple(kn.shape), tuple(tuple(k.shape) for k in keys), layer, window or 0)
+    inputs, launch = _kernel_call(q, kn, vn, keys, values, streams, layer, scale, window)
     if q.shape[0] == 0:
         return mx.zeros((0, *q.shape[1:]), mx.float32)
     kernel = _BUILT.get(kind)
@@ -82,11 +81,18 @@ def _source_streams_attention(kind: str, q, kn, vn, keys: Sequence, values: Sequ
         name = f"tf_streams_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"  # MLX caches kernels by name
         make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
         kernel = _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
-    slots = len(keys)
-    ks = [*keys, *[keys[0]] * (STREAM_SLOTS - slots)]  # a slot no row names is never read
-    vs = [*values, *[values[0]] * (STREAM_SLOTS - slots)]
-    (out,) = kernel(inputs=[q, kn, vn, *ks, *vs, streams.rowmap, _scale(scale), dims], **launch)
+    (out,) = kernel(inputs=inputs, **launch)
     return out
+
+
+def _kernel_call(q, kn, vn, keys: Sequence, values: Sequence, streams: Packed, layer: int, scale: float,
+                 window: int | None) -> tuple[list, dict]:
+    """The kernel's inputs in NAMES order and its launch arguments, as a forward and the contract's cases pass them;
+    the checks, dims and launch are made once for each shape and layer (a forward calls this once a layer)."""
+    dims, launch = _prepared(tuple(q.shape), tuple(kn.shape), tuple(tuple(k.shape) for k in keys), layer, window or 0)
+    pad = STREAM_SLOTS - len(keys)  # a slot no row names is never read
+    return [q, kn, vn, *keys, *[keys[0]] * pad, *values, *[values[0]] * pad, streams.rowmap, _scale(scale),
+            dims], launch
 
 
 def _check(q: tuple, kn: tuple, keys: Sequence[tuple]) -> None:
@@ -205,14 +211,7 @@ def first_cache_for_all(q, kn, vn, keys, values, streams, layer, scale, window):
 
 
 def _kernel_inputs(case) -> list:
-    import mlx.core as mx
-
-    q, kn, vn, keys, values, streams, layer, scale, window = _call(case)
-    _check(tuple(q.shape), tuple(kn.shape), [tuple(k.shape) for k in keys])
-    ks = [*keys, *[keys[0]] * (STREAM_SLOTS - len(keys))]
-    vs = [*values, *[values[0]] * (STREAM_SLOTS - len(values))]
-    dims = int_array([q.shape[0], q.shape[1], kn.shape[1], layer, window or 0, *(k.shape[2] for k in ks)])
-    return [q, kn, vn, *ks, *vs, streams.rowmap, mx.array([scale], mx.float32), dims]
+    return _kernel_call(*_call(case))[0]
 
 
 def source(kind: str) -> Source:
