@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -182,9 +183,11 @@ def test_the_round_time_tool_times_every_part_of_a_drafted_round_on_the_cpu():
 
 def test_the_decode_profile_tool_profiles_one_stream_and_several_on_the_cpu():
     tool = BENCH.parent / "tools" / "device" / "profile_decode.py"
-    done = subprocess.run([sys.executable, str(tool), "tiny-llama", "--tokens", "6", "--streams", "2", "--top", "5"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(tool), "tiny-llama", "--tokens", "6", "--streams", "2", "--top", "5",
+                           "--census"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    one, two = re.findall(r"decode step, (\d) stream\(s\): (\d+) primitives", done.stdout)
+    assert one[0] == "1" and two[0] == "2" and int(two[1]) > int(one[1]) > 0  # a second stream adds its attention
     assert "== 1 stream(s):" in done.stdout and "== 2 stream(s):" in done.stdout
     assert done.stdout.count("Ordered by: internal time") == 2
 

@@ -1,11 +1,13 @@
 """Where a plain decode's host time goes: cProfile of one greedy stream (and of N streams at once) on a checkpoint.
 
-    python3 tools/device/profile_decode.py TARGET [--tokens 128] [--streams 8] [--top 25]
+    python3 tools/device/profile_decode.py TARGET [--tokens 128] [--streams 8] [--top 25] [--census]
 
 Each run is decoded once untimed (MLX builds its kernels on first use), then once under cProfile; prints the tok/s
 and the functions by their own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
 device (and for MLX's evaluation of the graph on the host); the rest is Python building graphs and planning
 rounds. Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
+`--census` first counts the primitives of one decode step's graph (one stream, then N), which is what MLX evaluates
+on the host node by node: where that evaluation is the cost of a token, fewer nodes is the lever.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import argparse
 import cProfile
 import io
 import pstats
+import re
 import sys
+import tempfile
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -34,6 +39,32 @@ def profiled(run, top: int) -> str:
     return out.getvalue()
 
 
+def census(model, tokenizer, streams: int) -> Counter:
+    """The primitives of one decode step's graph over `streams` streams (their prompts read first), by name."""
+    import mlx.core as mx
+
+    caches = [model.new_cache(256) for _ in range(streams)]
+    ids = tokenizer.encode(PROMPT)
+    mx.eval(model.forward(caches, [ids] * streams, [1] * streams))
+    for cache in caches:
+        model.keep(cache, len(ids))
+    logits = model.forward(caches, [ids[-1:]] * streams, [1] * streams)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, logits)
+        labels = re.findall(r'\[label ="([^"]*)", shape=rectangle\]', dot.read())
+    mx.eval(logits)
+    return Counter(labels)
+
+
+def printed_census(model, tokenizer, streams: int) -> None:
+    counts = census(model, tokenizer, streams)
+    layers = len(model.model.layers) if hasattr(model, "model") and hasattr(model.model, "layers") else 1
+    print(f"\n== graph of one decode step, {streams} stream(s): {sum(counts.values())} primitives "
+          f"({sum(counts.values()) / layers:.1f} a layer over {layers} layers)")
+    for name, n in counts.most_common():
+        print(f"  {n:5d}  {name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench_gpu_pair import together
 
@@ -47,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--census", action="store_true", help="count one decode step's graph primitives first")
     args = parser.parse_args(argv)
     target = load_target(args.target, ServeOptions(dtype="bfloat16"))
     model, tokenizer = target.model, target.tokenizer
     print(f"kernels {model.kernels}\nprobe {target.probe}")
+    if args.census:
+        for streams in (1, args.streams):
+            printed_census(model, tokenizer, streams)
     for streams in (1, args.streams):
         requests = [GenerationRequest(prompt_ids=tokenizer.encode(PROMPT), max_tokens=args.tokens,
                                       stop_token_ids=frozenset()) for _ in range(streams)]
