@@ -12,7 +12,8 @@
 # The device tool uploads every file git tracks, ignore rules or not, so `light` takes the weights out of git's
 # index (the files stay on disk; the entries are saved in .git/) and ignores them through .git/info/exclude;
 # `full` puts the saved entries back exactly. Until then `git status` shows the weights as deleted: run `full`
-# right after the calls that carry MLX. MLX_FETCH names fetch-mlx-cuda.sh if not in ../shared/device/.
+# right after the calls that carry MLX; until then a pre-commit hook refuses commits (they would delete the weights).
+# MLX_FETCH names fetch-mlx-cuda.sh if not in ../shared/device/.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -39,6 +40,23 @@ unstage() {
   [ -f "$exclude" ] || return 0
   sed -i "/^$(printf '%s' "$begin" | sed 's/[][\/.*^$]/\\&/g')\$/,/^$(printf '%s' "$end" | sed 's/[][\/.*^$]/\\&/g')\$/d" "$exclude"
 }
+
+hook=.git/hooks/pre-commit
+guard() {  # while the weights are out of git's index, a commit would delete them from the tree: refuse it
+  mkdir -p .git/hooks
+  cat > "$hook" <<'HOOK'
+#!/usr/bin/env bash
+# tensorfold stage.sh guard
+if [ -f .git/tensorfold-stage-weights.index ]; then
+  echo "the shipped weights are out of git's index (tools/device/stage.sh light): a commit now would delete them;" >&2
+  echo "run tools/device/stage.sh full first" >&2
+  exit 1
+fi
+HOOK
+  chmod +x "$hook"
+}
+
+unguard() { if [ -f "$hook" ] && grep -q "tensorfold stage.sh guard" "$hook"; then rm -f "$hook"; fi; }
 
 bytes_of_tree() {  # what the device tool uploads: tracked and untracked-not-ignored files
   local files
@@ -75,6 +93,7 @@ case "${1:-}" in
       { echo "$begin"; printf '/%s/\n' "${dirs[@]}"; echo "$end"; } >> "$exclude"
       git_index rm -r -q --cached -- "${dirs[@]}"
     fi
+    [ -e "$hook" ] || guard
     echo "Staged: MLX $(cat .mlxb/VERSION) in .mlxa/ and .mlxb/; the weights are out of the upload (and of git's index)."
     sizes
     cat <<MSG
@@ -90,6 +109,7 @@ MSG
     ;;
   full)
     unstage
+    unguard
     echo "The weights travel again with each call."
     sizes
     ;;
