@@ -70,7 +70,7 @@ class Prepared:
     that do not change worked out once, so that a call is one kernel launch (no ServedCall, Launch or dims array).
 
     `fixed()` gives the module's own arrays (weights) by input name, read at every call, so new weights are served;
-    `row_input` names the per-row input. An input the implementation makes itself (a dims array) is kept per row
+    `row_input` names the per-row input, and a call may pass other per-call inputs by name (a residual). An input the implementation makes itself (a dims array) is kept per row
     count; where it casts or reshapes the row input, every call goes through its `inputs` again."""
 
     def __init__(self, kind: str, implementation, dims: Mapping[str, Any], fixed: Callable[[], Mapping[str, Any]],
@@ -79,9 +79,9 @@ class Prepared:
             kind, implementation, dims, fixed, row_input
         self._plans: dict[int, tuple] = {}
 
-    def __call__(self, x) -> dict:
+    def __call__(self, x, **more) -> dict:
         """The implementation's outputs by name for the rows of `x` (lazily, as any MLX op)."""
-        arrays = {**self.fixed(), self.row_input: x}
+        arrays = {**self.fixed(), self.row_input: x, **more}
         if not isinstance(self.implementation, Source):
             return self.implementation(ServedCall(x.shape[0], self.dims, arrays))
         plan = self._plans.get(x.shape[0])

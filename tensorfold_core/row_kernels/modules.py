@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch (to measure what fusing saves)
+FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op folded in (to measure what fusing saves)
 COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled; "1": compiled on any backend (a measurement)
 
 
@@ -99,6 +99,39 @@ class RecordFused:
         y = self.launch(x)["y"]
         outs = [y[:, lo:hi] for lo, hi in zip(self.bounds, self.bounds[1:])]
         return [out if bias is None else out + bias for out, bias in zip(outs, self.biases)]
+
+    def joined(self, x: mx.array) -> mx.array:
+        """The parts' outputs side by side as one launch writes them (no biases: a part's bias is not added here)."""
+        return self.launch(x)["y"]
+
+
+class RecordResidual:
+    """A bf16 projection whose launch also adds the residual, and for a down projection reads swiglu of the gate and
+    up halves of its input (a fused GEMV record, `tensorfold_core.row_kernels.gemv_fused`): one launch where there
+    were two or three, each (row, column) sum the plain GEMV's."""
+
+    def __init__(self, inner: nn.Module, record, kind: str):
+        from tensorfold_contract.serving import Prepared
+
+        from .gemv import OUT
+
+        dims = {"n": inner.weight.shape[0], "k": inner.weight.shape[1], "out": OUT}
+        self.launch = Prepared(kind, record.implementations[kind], dims, lambda: {"w": inner.weight}, "x")
+
+    def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
+        return self.launch(x, res=residual)["y"]
+
+
+def residual_fused(projection: nn.Module, usable: Mapping[str, object], kind: str, activations: mx.Dtype,
+                   op: str) -> RecordResidual | None:
+    """The fused launch for a bf16 projection without a bias where the table serves `op` by a record; None elsewhere,
+    or where TENSORFOLD_FUSED=0 asks each op its own launch (a measurement)."""
+    inner = projection.inner if isinstance(projection, Served) else projection
+    if op not in usable or os.environ.get(FUSED_ENV, "1") == "0" or "bias" in inner:
+        return None
+    if projection_op(inner, activations) != "projection bf16":
+        return None
+    return RecordResidual(inner, usable[op], kind)
 
 
 def fused(parts: Sequence[nn.Module], usable: Mapping[str, object], kind: str,

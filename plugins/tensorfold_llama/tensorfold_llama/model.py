@@ -135,6 +135,7 @@ class Attention(nn.Module):
         # the packed-streams record's implementation where it serves (serving.py): every stream's rows of a forward in
         # one launch a layer, over caches the forward writes after its last layer (Model.forward_streams)
         self.attend_streams = None
+        object.__setattr__(self, "o_residual", None)  # o_proj adding the residual in its launch (serving.py)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values of every packed row."""
@@ -205,6 +206,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         object.__setattr__(self, "gate_up", None)  # both in one launch where a record serves them (serving.py)
+        # down_proj reading swiglu of gate_up's joined output and adding the residual, one launch (serving.py)
+        object.__setattr__(self, "down_residual", None)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
@@ -230,8 +233,11 @@ class TransformerBlock(nn.Module):
         return self.self_attn.project_roped(self.input_layernorm(x), positions)
 
     def after(self, x: mx.array, mixed: mx.array) -> mx.array:
-        h = x + self.self_attn.o_proj(mixed)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn, mlp = self.self_attn, self.mlp
+        h = attn.o_residual(mixed, x) if attn.o_residual is not None else x + attn.o_proj(mixed)
+        if mlp.down_residual is not None:
+            return mlp.down_residual(mlp.gate_up.joined(self.post_attention_layernorm(h)), h)
+        return h + mlp(self.post_attention_layernorm(h))
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int, positions: mx.array | None = None) -> mx.array:
         before, after = self.halves or (self.before, self.after)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import RecordLinear, compile_halves, compiling, fused, projection_op, swaps
+from tensorfold_core.row_kernels.modules import (RecordLinear, compile_halves, compiling, fused, projection_op,
+                                                 residual_fused, swaps)
 
 from .kernels import records
 from .ops import OPS
@@ -51,6 +52,13 @@ def serve_kernels(model, compiled: bool = True) -> dict:
     else:
         model.lm_head = linear(model.lm_head)
     if compiled and compiling(usable, kind):
+        for layer in blocks.layers:  # one machine's whole sums only: a group's rank adds the residual after its sum
+            attn, mlp = layer.self_attn, layer.mlp
+            object.__setattr__(attn, "o_residual", residual_fused(attn.o_proj, usable, kind, model.dtype,
+                                                                  "projection bf16 + residual"))
+            if mlp.gate_up is not None and not any(b is not None for b in mlp.gate_up.biases):
+                object.__setattr__(mlp, "down_residual", residual_fused(
+                    mlp.down_proj, usable, kind, model.dtype, "projection bf16 swiglu + residual"))
         if attend is not None and os.environ.get(ROPE_ROWS_ENV, "1") != "0":  # rope in the compiled first part
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))

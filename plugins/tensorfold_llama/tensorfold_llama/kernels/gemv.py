@@ -1,8 +1,10 @@
-"""The llama family's GEMV records (bf16, affine 4/8-bit): the shared row-invariant GEMV at the shapes llama serves."""
+"""The llama family's GEMV records (bf16, affine 4/8-bit, bf16 with the residual or swiglu folded in): the shared
+row-invariant GEMV at the shapes llama serves."""
 
 from __future__ import annotations
 
 from tensorfold_contract import Shape
+from tensorfold_core.row_kernels import gemv_fused
 from tensorfold_core.row_kernels.gemv import OUT, WIDEST_CALL, record, shard_sizes, source  # noqa: F401
 
 from .common import LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER
@@ -34,6 +36,19 @@ def served(bits: int, group: int = 64) -> tuple[Shape, ...]:
     return tuple(out)
 
 
+def fused_served(fusion: str) -> tuple[Shape, ...]:
+    """Each model's o_proj (residual) or down_proj (swiglu residual) at the widest call: a group's ranks add the
+    residual after their sum, so no shard shape is served fused."""
+    out = []
+    for label, m, heavy in MODELS:
+        n, k = (m["hidden"], m["hidden"]) if fusion == "residual" else (m["hidden"], m["inter"])
+        out.append(Shape(f"{label} {'o' if fusion == 'residual' else 'down'} {n}x{k}", {"n": n, "k": k, "out": OUT},
+                         WIDEST_CALL, heavy))
+    return tuple(out)
+
+
 BF16 = record("llama", 16, served(16))
+RESIDUAL = gemv_fused.record("llama", "residual", fused_served("residual"))
+SWIGLU_RESIDUAL = gemv_fused.record("llama", "swiglu residual", fused_served("swiglu residual"))
 Q4 = record("llama", 4, served(4))
 Q8 = record("llama", 8, served(8))
