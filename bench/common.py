@@ -205,7 +205,8 @@ class BenchMismatch(Exception):
 
 VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENSORFOLD_ROPE_ROWS": "1"},
             "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"},
-            "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}, "per-stream": {"TENSORFOLD_STREAM_ATTENTION": "0"}}
+            "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}, "per-stream": {"TENSORFOLD_STREAM_ATTENTION": "0"},
+            "unfused-residual": {"TENSORFOLD_FUSED_RESIDUAL": "0"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -214,7 +215,9 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     TENSORFOLD_COMPILE=0, `:rope-windows` ropes each stream's window apart, TENSORFOLD_ROPE_ROWS=0 (`:rope-rows`, =1,
     is the default), `:in-step` runs no round ahead, TENSORFOLD_LOOKAHEAD=0, and `:drafter-builtin` runs a llama
     drafter on MLX's ops instead of the target's table, TENSORFOLD_DRAFTER_BUILTIN=1, `:per-stream` launches a
-    layer's attention a stream at a time, TENSORFOLD_STREAM_ATTENTION=0): the JSON its last line prints."""
+    layer's attention a stream at a time, TENSORFOLD_STREAM_ATTENTION=0, `:unfused-residual` adds the residual and
+    computes swiglu apart from o_proj's and down_proj's launches, TENSORFOLD_FUSED_RESIDUAL=0): the JSON its last
+    line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

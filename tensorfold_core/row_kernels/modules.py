@@ -11,6 +11,8 @@ import mlx.nn as nn
 
 
 FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op folded in (to measure what fusing saves)
+# "0": o_proj and down_proj launched apart from the residual add and swiglu (to measure what folding them in saves)
+RESIDUAL_ENV = "TENSORFOLD_FUSED_RESIDUAL"
 COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled; "1": compiled on any backend (a measurement)
 
 
@@ -125,9 +127,10 @@ class RecordResidual:
 def residual_fused(projection: nn.Module, usable: Mapping[str, object], kind: str, activations: mx.Dtype,
                    op: str) -> RecordResidual | None:
     """The fused launch for a bf16 projection without a bias where the table serves `op` by a record; None elsewhere,
-    or where TENSORFOLD_FUSED=0 asks each op its own launch (a measurement)."""
+    or where TENSORFOLD_FUSED=0 or TENSORFOLD_FUSED_RESIDUAL=0 asks each op its own launch (a measurement)."""
     inner = projection.inner if isinstance(projection, Served) else projection
-    if op not in usable or os.environ.get(FUSED_ENV, "1") == "0" or "bias" in inner:
+    apart = os.environ.get(FUSED_ENV, "1") == "0" or os.environ.get(RESIDUAL_ENV, "1") == "0"
+    if op not in usable or apart or "bias" in inner:
         return None
     if projection_op(inner, activations) != "projection bf16":
         return None

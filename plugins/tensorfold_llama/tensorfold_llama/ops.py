@@ -9,10 +9,10 @@ OPS = {
     "projection bf16": {"cpu": BUILTIN, "cuda": "llama gemv bf16", "metal": "llama gemv bf16"},
     # a layer's o_proj with the residual added, and its down_proj reading the gate and up halves through swiglu: a
     # launch (two) fewer each, the same sums as the GEMV's (served where the layers are compiled on one machine)
-    "projection bf16 + residual": {"cpu": BUILTIN, "cuda": "llama gemv bf16 + residual",
-                                   "metal": "llama gemv bf16 + residual"},
-    "projection bf16 swiglu + residual": {"cpu": BUILTIN, "cuda": "llama gemv bf16 swiglu + residual",
-                                          "metal": "llama gemv bf16 swiglu + residual"},
+    "projection bf16 residual": {"cpu": BUILTIN, "cuda": "llama gemv bf16 + residual",
+                                 "metal": "llama gemv bf16 + residual"},
+    "projection bf16 swiglu residual": {"cpu": BUILTIN, "cuda": "llama gemv bf16 swiglu + residual",
+                                        "metal": "llama gemv bf16 swiglu + residual"},
     "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": BUILTIN},
     "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": BUILTIN},
     # MLX's fast rms_norm is row-invariant on CUDA (the record's mlx implementation passes gate 4 there, and the load

@@ -55,10 +55,10 @@ def serve_kernels(model, compiled: bool = True) -> dict:
         for layer in blocks.layers:  # one machine's whole sums only: a group's rank adds the residual after its sum
             attn, mlp = layer.self_attn, layer.mlp
             object.__setattr__(attn, "o_residual", residual_fused(attn.o_proj, usable, kind, model.dtype,
-                                                                  "projection bf16 + residual"))
+                                                                  "projection bf16 residual"))
             if mlp.gate_up is not None and not any(b is not None for b in mlp.gate_up.biases):
                 object.__setattr__(mlp, "down_residual", residual_fused(
-                    mlp.down_proj, usable, kind, model.dtype, "projection bf16 swiglu + residual"))
+                    mlp.down_proj, usable, kind, model.dtype, "projection bf16 swiglu residual"))
         if attend is not None and os.environ.get(ROPE_ROWS_ENV, "1") != "0":  # rope in the compiled first part
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
