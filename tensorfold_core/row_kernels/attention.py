@@ -99,14 +99,15 @@ def _window_of(a, start: int, stop: int, split: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def _geometry(rows: int, heads: int, dim: int, groups: int = GROUPS) -> Launch:
+def _geometry(rows: int, heads: int, dim: int, groups: int = GROUPS, out=None) -> Launch:
     """One block of `groups` x SPLIT threads per (row, head): grid in threads, x the head, y the row. The groups only
-    run splits side by side (they are folded in split order whatever their number), so they never move a bit."""
+    run splits side by side (they are folded in split order whatever their number), so they never move a bit. `out`:
+    the output dtype (float32 by default), the fp32 result rounded once to it."""
     import mlx.core as mx
 
     threads = groups * SPLIT
     return Launch(grid=(heads * threads if rows else 0, rows, 1), threadgroup=(threads, 1, 1),
-                  output_shapes=((rows, heads, dim),), output_dtypes=(mx.float32,),
+                  output_shapes=((rows, heads, dim),), output_dtypes=(out or mx.float32,),
                   template=(("D", dim), ("SPLIT", SPLIT), ("GROUPS", groups)),
                   # wmax, wsum, ew, part, smax, ssum and sval, each one a group
                   static_shared=4 * groups * (2 * (SPLIT // 32) + 2 * SPLIT + 2 + dim))

@@ -192,7 +192,7 @@ class Attention(nn.Module):
             outs.append(self.attend_streams(q, k, v, caches_k, caches_v, packed, layer, self.scale,
                                             self.sliding_window))
         mixed = outs[0] if len(outs) == 1 else mx.concatenate(outs)
-        return mixed.reshape(queries.shape[0], -1).astype(queries.dtype)
+        return mixed.reshape(queries.shape[0], -1)  # in the queries' dtype: the record rounds its fp32 result once
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int) -> mx.array:
         return self.o_proj(self.mix(*self.project(x), spans, layer))
