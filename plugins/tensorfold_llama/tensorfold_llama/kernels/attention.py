@@ -25,6 +25,8 @@ RECORD = record("llama", (
 
 # the same sums for every stream of a forward in one launch (tensorfold_core.row_kernels.attention_streams)
 STREAMS = streams.record("llama", (
+    # fp32 (--dtype float32): its output keeps every fp32 bit, where a reordered sum shows at gate 4
+    streams.shape("tiny fp32, 3 streams, 500 keys", TINY, 500, 3, "float32"),
     streams.shape("tiny bf16, 3 streams, 700 keys", TINY, 700, 3),
     streams.shape("tiny bf16, 8 streams, 300 keys", TINY, 300, 8),
     streams.shape("tiny drafter bf16, 4 streams, 300 keys", TINY_DRAFTER, 300, 4),
