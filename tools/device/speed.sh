@@ -59,7 +59,7 @@ for what in "${@:-bench pair exact contract affine}"; do
           step "$name" "${CAP_TILES:-180}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/$name.txt" ;;
       contract|affine)
-        records="--only llama*gemv*bf16* --only llama*window*attention*"
+        records="--only llama*gemv*bf16* --only llama*window*attention* --only llama*rope*qkv*"
         [ "$name" = affine ] && records="--only llama*gemv*q4 --only llama*gemv*q8"
         mkdir -p "$receipt/$name"
         cap=$([ "$name" = affine ] && echo "${CAP_AFFINE:-60}" || echo "${CAP_CONTRACT:-70}")

@@ -129,6 +129,8 @@ class Attention(nn.Module):
         # the cache's whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
         self.attend = None
         object.__setattr__(self, "qkv", None)  # q, k and v in one launch where a record serves them (serving.py)
+        # q and k roped, v copied, into their heads from qkv's joined rows in one launch (serving.py, roped only)
+        object.__setattr__(self, "rope_qkv", None)
         # True: q and k come roped from the layer's compiled first part, every row at its own position, one launch
         # for all streams' rows (serving.py, where the window attention record serves); False: roped per stream here
         self.roped = False
@@ -146,6 +148,8 @@ class Attention(nn.Module):
     def project_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries [rows, heads, head_dim] and keys [rows, kv_heads, head_dim] roped at each row's own position (one
         rope a row, as a window's rope at its offset computes it), and values [rows, kv_heads, head_dim]."""
+        if self.rope_qkv is not None:
+            return self.rope_qkv(self.qkv.joined(x), positions)
         rows = x.shape[0]
         q, k, v = self.project(x)
         q = self.rope(q.reshape(rows, self.n_heads, 1, -1), positions).reshape(rows, self.n_heads, -1)

@@ -18,6 +18,10 @@ OPS = {
     # MLX's fast rms_norm is row-invariant on CUDA (the record's mlx implementation passes gate 4 there, and the load
     # probe with it): it serves, a launch cheaper than the record's
     "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "llama rmsnorm"},
+    # where rope runs by rows in the compiled layer parts: q and k roped and v copied into their heads straight from
+    # the q|k|v launch's rows, one launch (where slices, reshapes and two ropes were ten ops)
+    "rope qkv neox": {"cpu": BUILTIN, "cuda": "llama rope qkv neox", "metal": "llama rope qkv neox"},
+    "rope qkv interleaved": {"cpu": BUILTIN, "cuda": "llama rope qkv interleaved", "metal": "llama rope qkv interleaved"},
     # MLX's fast SDPA is not row-invariant on CUDA: each row over its own keys in fixed splits of 256 instead
     "attention": {"cpu": BUILTIN, "cuda": "llama window attention", "metal": "llama window attention"},
     # the same sums for every stream of a forward in one launch, the caches written once after the last layer: where

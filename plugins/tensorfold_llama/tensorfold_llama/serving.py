@@ -17,6 +17,43 @@ ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 # where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
 # default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
 STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
+# where rope runs by rows, q and k are roped (and v copied) into their heads by one launch of the rope qkv record
+# straight from the q|k|v launch's rows (the default where it serves); "0" slices and ropes them op by op, to measure
+ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
+
+
+class RopedQKV:
+    """q [rows, heads, head_dim], k and v [rows, kv_heads, head_dim] from the joined q|k|v rows, q and k roped at each
+    row's own position: one launch of a rope qkv record, with the frequencies of the layer's rope (llama3 or linear
+    scaling folded in), made once."""
+
+    def __init__(self, attn, record, kind: str, dtype):
+        import mlx.core as mx
+        import numpy as np
+        from tensorfold_contract.serving import Prepared
+
+        rope = attn.rope
+        divisors = (np.array(rope._freqs, np.float64) if rope._freqs is not None
+                    else rope.base ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims))
+        freqs = mx.array((divisors / rope.scale).astype(np.float32))  # the angle is position / divisor
+        dims = {"heads": attn.n_heads, "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
+                "dtype": str(dtype).removeprefix("mlx.core.")}
+        self.launch = Prepared(kind, record.implementations[kind], dims, lambda: {"freqs": freqs}, "qkv")
+
+    def __call__(self, qkv, positions):
+        out = self.launch(qkv, positions=positions)
+        return out["q"], out["k"], out["v"]
+
+
+def roped_qkv(attn, usable: dict, kind: str, dtype) -> RopedQKV | None:
+    """The one-launch rope of a layer whose q|k|v is one launch without biases, where the table serves it; None
+    elsewhere, or where TENSORFOLD_ROPE_QKV=0 asks for the ops apart (a measurement)."""
+    op = f"rope qkv {'interleaved' if attn.rope.traditional else 'neox'}"
+    if op not in usable or attn.qkv is None or any(b is not None for b in attn.qkv.biases):
+        return None
+    if os.environ.get(ROPE_QKV_ENV, "1") == "0" or attn.rope.dims != attn.head_dim:
+        return None
+    return RopedQKV(attn, usable[op], kind, dtype)
 
 
 def serve_kernels(model, compiled: bool = True) -> dict:
@@ -63,6 +100,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
                 layer.self_attn.roped = True
+                object.__setattr__(layer.self_attn, "rope_qkv", roped_qkv(layer.self_attn, usable, kind, model.dtype))
             if "attention streams" in usable and os.environ.get(STREAMS_ENV, "1") != "0":
                 from .kernels.attention import STREAMS_ATTENTION
 

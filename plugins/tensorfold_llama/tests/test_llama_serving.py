@@ -203,6 +203,44 @@ def test_compiled_layers_add_the_residual_in_o_proj_and_down_proj_whose_swiglu_r
     assert apart.model.layers[0].self_attn.o_residual is None and apart.model.layers[0].mlp.down_residual is None
 
 
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_one_launch_ropes_q_and_k_into_their_heads_as_the_layer_s_own_rope_does_at_each_row_s_position(
+        through_records, rope):
+    from tensorfold_core.kernels import records_served
+    from tensorfold_core.row_kernels.modules import fused
+    from tensorfold_llama.model import Attention, ModelArgs
+    from tensorfold_llama.serving import roped_qkv
+
+    args = ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=1, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64, rope_theta=500000.0,
+                     rope_parameters=rope)
+    attn = Attention(args)
+    attn.set_dtype(mx.bfloat16)
+    usable, kind, _ = records_served(OPS, records)
+    object.__setattr__(attn, "qkv", fused([attn.q_proj, attn.k_proj, attn.v_proj], usable, kind, mx.bfloat16))
+    one = roped_qkv(attn, usable, kind, mx.bfloat16)
+    x = mx.random.normal((5, 128), key=mx.random.key(5)).astype(mx.bfloat16)
+    positions = mx.array([3, 4, 900, 17, 0], mx.int32)  # any position a row: windows of several streams
+    ours = one(attn.qkv.joined(x), positions)
+    theirs = attn.project_roped(x, positions)  # rope_qkv unset: slices, reshapes and the layer's mx.fast.rope
+    assert [tuple(a.shape) for a in ours] == [(5, 4, 32), (5, 2, 32), (5, 2, 32)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs))
+
+
+def test_q_k_and_v_are_sliced_and_roped_op_by_op_where_the_one_launch_rope_is_turned_off(through_records,
+                                                                                       monkeypatch):
+    from tensorfold_llama.serving import ROPE_QKV_ENV
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert model.model.layers[0].self_attn.rope_qkv is not None
+    monkeypatch.setenv(ROPE_QKV_ENV, "0")
+    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert apart.model.layers[0].self_attn.rope_qkv is None and apart.model.layers[0].self_attn.roped
+
+
 @pytest.mark.parametrize("rope_rows", ["0", "1"])
 def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for_any_windows(through_records,
                                                                                              monkeypatch, rope_rows):

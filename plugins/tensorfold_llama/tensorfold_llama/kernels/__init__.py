@@ -1,9 +1,11 @@
-"""The llama family's kernels under contract: RMSNorm, RoPE, the exact-verify GEMV, greedy argmax, keyed draw."""
+"""The llama family's kernels under contract: RMSNorm, RoPE (alone and on the q|k|v rows), the exact-verify GEMV, greedy
+argmax, keyed draw, window attention."""
 
 
 def records() -> list:
     """Every llama kernel record, for the `tensorfold_kernels` hook (imports mlx and the contract on call)."""
-    from . import argmax, attention, draw, gemv, rmsnorm, rope
+    from . import argmax, attention, draw, gemv, rmsnorm, rope, rope_qkv
 
-    return [rmsnorm.RECORD, rope.NEOX, rope.INTERLEAVED, gemv.BF16, gemv.RESIDUAL, gemv.SWIGLU_RESIDUAL, gemv.Q4, gemv.Q8, argmax.RECORD, draw.RECORD,
-            attention.RECORD, attention.STREAMS]
+    return [rmsnorm.RECORD, rope.NEOX, rope.INTERLEAVED, rope_qkv.NEOX, rope_qkv.INTERLEAVED, gemv.BF16,
+            gemv.RESIDUAL, gemv.SWIGLU_RESIDUAL, gemv.Q4, gemv.Q8, argmax.RECORD, draw.RECORD, attention.RECORD,
+            attention.STREAMS]
