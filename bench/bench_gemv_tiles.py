@@ -1,7 +1,7 @@
 """The bf16 GEMV record's tile geometry swept on CUDA: every (MAXT, MT, U) timed per row count and shape, each
 output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
 
-# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,4,16]
+# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,4,16] [--rows 1,4,8] [--shapes 2048x2048]
 # The served tiles (gemv.tiles) against every other geometry of the same K split (WARPS): an output that differs
 # in one bit from the served geometry's is a failure, and that geometry is not timed. Other splits change the sums
 # (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
@@ -61,12 +61,14 @@ def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: 
 def sweep(args) -> tuple[list[dict], list[str]]:
     cells, failures, start, refused = [], [], time.monotonic(), {}
     warps_list = [int(v) for v in args.warps.split(",")]
-    for n, k in SHAPES:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    row_counts = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
+    for n, k in shapes:
         w = mx.random.normal((n, k), key=mx.random.key(1)).astype(mx.bfloat16) / (k ** 0.5)
-        x_all = mx.random.normal((max(ROWS), k), key=mx.random.key(2)).astype(mx.bfloat16)
+        x_all = mx.random.normal((max(row_counts), k), key=mx.random.key(2)).astype(mx.bfloat16)
         mx.eval(w, x_all)
         weight_bytes = n * k * 2
-        for rows in ROWS:
+        for rows in row_counts:
             if time.monotonic() - start > args.seconds:
                 return cells, failures + [f"cut at {args.seconds} s before N={n} K={k} rows {rows}"]
             x = x_all[:rows]
@@ -127,6 +129,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=240)
     parser.add_argument("--warps", default="8", help="K splits to sweep, e.g. 8,4,16 (each template of another "
                         "split is a compile of its own: on the H200 three splits printed no cell in 110 s)")
+    parser.add_argument("--rows", help="row counts to time, e.g. 1,4,8 (default: 1 to 128)")
+    parser.add_argument("--shapes", help="N x K shapes to time, e.g. 2048x2048,2048x8192 (default: the 1B's and 8192^2)")
     args = parser.parse_args()
     if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
         print("the tile sweep times the cuda source: no CUDA device here", file=sys.stderr)
