@@ -10,85 +10,52 @@ from tensorfold_contract import Control, KernelRecord, Launch, Shape, Source, ov
 from .common import LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER, WIDEST, int_array, mx_dtype, rounded
 from .rope import LLAMA3, THREADS, freqs, rotate, tolerance
 
-# One thread per (row, head, pair) of a row's H + 2 KV heads; the rope record's arithmetic (the angle in double)
-CUDA = """
+# One thread per (row, head, pair) of a row's H + 2 KV heads, the rope record's arithmetic; the backends differ in
+# the thread's index, the offsets' type and the angle (CUDA takes it in double; Metal has none, and takes it in
+# float, as MLX's own rope does)
+_BODY = """
 const int rows = dims[0];
 const int hq = dims[1];
 const int hk = dims[2];
 const int half = dims[3] / 2;
 const int heads = hq + 2 * hk;
 const int total = rows * heads * half;
-const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+const int idx = @IDX@;
 if (idx >= total) return;
 const int i = idx % half;
 const int head = (idx / half) % heads;
 const int row = idx / (half * heads);
-const size_t src = (size_t)(idx / half) * (2 * half);
+const @SIZE@ src = (@SIZE@)(idx / half) * (2 * half);
 const int ia = TRADITIONAL ? 2 * i : i;
 const int ib = TRADITIONAL ? 2 * i + 1 : i + half;
 if (head >= hq + hk) {  // v: copied into its heads
-  const size_t dst = ((size_t)row * hk + (head - hq - hk)) * (2 * half);
+  const @SIZE@ dst = ((@SIZE@)row * hk + (head - hq - hk)) * (2 * half);
   v[dst + ia] = qkv[src + ia];
   v[dst + ib] = qkv[src + ib];
   return;
 }
-const double theta = (double)positions[row] / (double)freqs[i];
-const float c = (float)cos(theta);
-const float s = (float)sin(theta);
+@ANGLE@
 const float a = static_cast<float>(qkv[src + ia]);
 const float b = static_cast<float>(qkv[src + ib]);
 const T ra = static_cast<T>(a * c - b * s);
 const T rb = static_cast<T>(a * s + b * c);
 if (head < hq) {
-  const size_t dst = ((size_t)row * hq + head) * (2 * half);
+  const @SIZE@ dst = ((@SIZE@)row * hq + head) * (2 * half);
   q[dst + ia] = ra;
   q[dst + ib] = rb;
 } else {
-  const size_t dst = ((size_t)row * hk + (head - hq)) * (2 * half);
+  const @SIZE@ dst = ((@SIZE@)row * hk + (head - hq)) * (2 * half);
   k[dst + ia] = ra;
   k[dst + ib] = rb;
 }
 """
 
-# The same decomposition; Metal has no double, so the angle is taken in float, as MLX's own rope does
-METAL = """
-const int rows = dims[0];
-const int hq = dims[1];
-const int hk = dims[2];
-const int half = dims[3] / 2;
-const int heads = hq + 2 * hk;
-const int total = rows * heads * half;
-const int idx = (int)thread_position_in_grid.x;
-if (idx >= total) return;
-const int i = idx % half;
-const int head = (idx / half) % heads;
-const int row = idx / (half * heads);
-const int src = (idx / half) * (2 * half);
-const int ia = TRADITIONAL ? 2 * i : i;
-const int ib = TRADITIONAL ? 2 * i + 1 : i + half;
-if (head >= hq + hk) {
-  const int dst = (row * hk + (head - hq - hk)) * (2 * half);
-  v[dst + ia] = qkv[src + ia];
-  v[dst + ib] = qkv[src + ib];
-  return;
-}
-const float theta = (float)positions[row] / freqs[i];
-const float c = metal::precise::cos(theta);
-const float s = metal::precise::sin(theta);
-const float a = static_cast<float>(qkv[src + ia]);
-const float b = static_cast<float>(qkv[src + ib]);
-const T ra = static_cast<T>(a * c - b * s);
-const T rb = static_cast<T>(a * s + b * c);
-if (head < hq) {
-  const int dst = (row * hq + head) * (2 * half);
-  q[dst + ia] = ra;
-  q[dst + ib] = rb;
-} else {
-  const int dst = (row * hk + (head - hq)) * (2 * half);
-  k[dst + ia] = ra;
-  k[dst + ib] = rb;
-}
-"""
+CUDA = (_BODY.replace("@IDX@", "blockIdx.x * blockDim.x + threadIdx.x").replace("@SIZE@", "size_t")
+        .replace("@ANGLE@", "const double theta = (double)positions[row] / (double)freqs[i];\n"
+                            "const float c = (float)cos(theta);\nconst float s = (float)sin(theta);"))
+METAL = (_BODY.replace("@IDX@", "(int)thread_position_in_grid.x").replace("@SIZE@", "int")
+         .replace("@ANGLE@", "const float theta = (float)positions[row] / freqs[i];\n"
+                             "const float c = metal::precise::cos(theta);\nconst float s = metal::precise::sin(theta);"))
 
 
 def _heads(dims) -> tuple[int, int, int]:
