@@ -1,13 +1,15 @@
 """Where a plain decode's host time goes: cProfile of one greedy stream (and of N streams at once) on a checkpoint.
 
-    python3 tools/device/profile_decode.py TARGET [--tokens 128] [--streams 8] [--top 25] [--census]
+    python3 tools/device/profile_decode.py TARGET [--tokens 128] [--streams 8] [--top 25] [--census] [--drafter DIR]
 
 Each run is decoded once untimed (MLX builds its kernels on first use), then once under cProfile; prints the tok/s
 and the functions by their own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
 device (and for MLX's evaluation of the graph on the host); the rest is Python building graphs and planning
 rounds. Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
 `--census` first counts the primitives of one decode step's graph (one stream, then N), which is what MLX evaluates
-on the host node by node: where that evaluation is the cost of a token, fewer nodes is the lever.
+on the host node by node: where that evaluation is the cost of a token, fewer nodes is the lever. `--drafter DIR`
+profiles the served engine too (the drafter, copy drafts, priced depths, as a server runs them) beside plain, so a
+served engine's own cost per round shows against plain's: its rounds, windows drafted and rounds run ahead print.
 """
 
 from __future__ import annotations
@@ -79,9 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--census", action="store_true", help="count one decode step's graph primitives first")
+    parser.add_argument("--drafter", help="also profile the served engine with this drafter")
     args = parser.parse_args(argv)
     target = load_target(args.target, ServeOptions(dtype="bfloat16"))
     model, tokenizer = target.model, target.tokenizer
+    drafter = None
+    if args.drafter:
+        from tensorfold_core.loading import start_drafter
+        from tensorfold_core.specs import DrafterOptions
+
+        drafter = start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype="bfloat16"))
     print(f"kernels {model.kernels}\nprobe {target.probe}")
     if args.census:
         for streams in (1, args.streams):
@@ -89,13 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     for streams in (1, args.streams):
         requests = [GenerationRequest(prompt_ids=tokenizer.encode(PROMPT), max_tokens=args.tokens,
                                       stop_token_ids=frozenset()) for _ in range(streams)]
-        engine = Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)
-        together(model, engine, requests)  # warm: every shape built once
-        start = time.perf_counter()
-        together(model, engine, requests)
-        rate = streams * args.tokens / (time.perf_counter() - start)
-        print(f"\n== {streams} stream(s): {rate:.1f} tok/s unprofiled")
-        print(profiled(lambda: together(model, engine, requests), args.top))
+        engines = {"plain": Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)}
+        if drafter is not None:
+            engines["served"] = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
+        for name, engine in engines.items():
+            together(model, engine, requests)  # warm: every shape built once
+            before = (engine.rounds, engine.ahead.used, dict(engine.counters.verdicts))
+            start = time.perf_counter()
+            together(model, engine, requests)
+            rate = streams * args.tokens / (time.perf_counter() - start)
+            rounds, ahead = engine.rounds - before[0], engine.ahead.used - before[1]
+            drafted = engine.counters.verdicts.get("drafted", 0) - before[2].get("drafted", 0)
+            print(f"\n== {streams} stream(s), {name}: {rate:.1f} tok/s unprofiled; {rounds} rounds, {ahead} run "
+                  f"ahead, {drafted} windows drafted")
+            print(profiled(lambda: together(model, engine, requests), args.top))
     return 0
 
 
