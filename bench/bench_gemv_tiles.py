@@ -130,7 +130,8 @@ def main() -> int:
     parser.add_argument("--warps", default="8", help="K splits to sweep, e.g. 8,4,16 (each template of another "
                         "split is a compile of its own: on the H200 three splits printed no cell in 110 s)")
     parser.add_argument("--rows", help="row counts to time, e.g. 1,4,8 (default: 1 to 128)")
-    parser.add_argument("--shapes", help="N x K shapes to time, e.g. 2048x2048,2048x8192 (default: the 1B's and 8192^2)")
+    parser.add_argument("--shapes", help="N x K shapes to time, e.g. 2048x2048,2048x8192 "
+                                         "(default: the 1B's and 8192^2)")
     args = parser.parse_args()
     if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
         print("the tile sweep times the cuda source: no CUDA device here", file=sys.stderr)

@@ -13,7 +13,8 @@
 #   tiles     the bf16 GEMV's tile geometries at 1-128 rows, bit-equal first (bench/bench_gemv_tiles.py);
 #             TILES_ARGS passes flags on, e.g. "--warps 8,16 --rows 1,4,8 --shapes 2048x2048,2048x8192"
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
-#   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;  affine: for the 4/8-bit GEMVs
+#   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
+#   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_EXACT=80, CAP_CONTRACT=70,
 # CAP_AFFINE=60), so a call ends inside its limit and says which step was cut. Everything lands in one receipt
 # folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site) and, for
@@ -55,7 +56,8 @@ for what in "${@:-bench pair exact contract affine}"; do
         mv "$receipt/exec.txt" "$receipt/token.txt" ;;
       exact) OUT=$receipt step exact "${CAP_EXACT:-80}" bash contract/receipts/run_on_h200.sh exact ;;
       launch|tiles)
-        script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "bench/bench_gemv_tiles.py --seconds 150 ${TILES_ARGS:-}")
+        tiles="bench/bench_gemv_tiles.py --seconds 150 ${TILES_ARGS:-}"
+        script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "$tiles")
         OUT=$receipt TF_EXEC="python3 $script --json $receipt/$name.json" \
           step "$name" "${CAP_TILES:-180}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/$name.txt" ;;

@@ -21,7 +21,8 @@ OPS = {
     # where rope runs by rows in the compiled layer parts: q and k roped and v copied into their heads straight from
     # the q|k|v launch's rows, one launch (where slices, reshapes and two ropes were ten ops)
     "rope qkv neox": {"cpu": BUILTIN, "cuda": "llama rope qkv neox", "metal": "llama rope qkv neox"},
-    "rope qkv interleaved": {"cpu": BUILTIN, "cuda": "llama rope qkv interleaved", "metal": "llama rope qkv interleaved"},
+    "rope qkv interleaved": {"cpu": BUILTIN, "cuda": "llama rope qkv interleaved",
+                             "metal": "llama rope qkv interleaved"},
     # MLX's fast SDPA is not row-invariant on CUDA: each row over its own keys in fixed splits of 256 instead
     "attention": {"cpu": BUILTIN, "cuda": "llama window attention", "metal": "llama window attention"},
     # the same sums for every stream of a forward in one launch, the caches written once after the last layer: where

@@ -55,7 +55,8 @@ CUDA = (_BODY.replace("@IDX@", "blockIdx.x * blockDim.x + threadIdx.x").replace(
                             "const float c = (float)cos(theta);\nconst float s = (float)sin(theta);"))
 METAL = (_BODY.replace("@IDX@", "(int)thread_position_in_grid.x").replace("@SIZE@", "int")
          .replace("@ANGLE@", "const float theta = (float)positions[row] / freqs[i];\n"
-                             "const float c = metal::precise::cos(theta);\nconst float s = metal::precise::sin(theta);"))
+                             "const float c = metal::precise::cos(theta);\n"
+                             "const float s = metal::precise::sin(theta);"))
 
 
 def _heads(dims) -> tuple[int, int, int]:
