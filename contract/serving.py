@@ -70,8 +70,9 @@ class Prepared:
     that do not change worked out once, so that a call is one kernel launch (no ServedCall, Launch or dims array).
 
     `fixed()` gives the module's own arrays (weights) by input name, read at every call, so new weights are served;
-    `row_input` names the per-row input, and a call may pass other per-call inputs by name (a residual). An input the implementation makes itself (a dims array) is kept per row
-    count; where it casts or reshapes the row input, every call goes through its `inputs` again."""
+    `row_input` names the per-row input, and a call may pass other per-call inputs by name (a residual). An input
+    the implementation makes itself (a dims array) is kept per row count; where it casts or reshapes the row input,
+    every call goes through its `inputs` again."""
 
     def __init__(self, kind: str, implementation, dims: Mapping[str, Any], fixed: Callable[[], Mapping[str, Any]],
                  row_input: str):
