@@ -76,6 +76,14 @@ class RoPE(nn.Module):
         return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
                             offset=offset, freqs=self._freqs)
 
+    def divisors(self) -> mx.array:
+        """Each pair's angle as position / divisor, float32, the scaling folded in: what a rope kernel is given."""
+        import numpy as np
+
+        freqs = (np.array(self._freqs, np.float64) if self._freqs is not None
+                 else self.base ** (np.arange(0, self.dims, 2, dtype=np.float64) / self.dims))
+        return mx.array((freqs / self.scale).astype(np.float32))
+
 
 def row_positions(spans: Sequence[Span]) -> mx.array:
     """Each packed row's absolute position in its stream, once a forward for every layer's rope."""

@@ -28,14 +28,9 @@ class RopedQKV:
     scaling folded in), made once."""
 
     def __init__(self, attn, record, kind: str, dtype):
-        import mlx.core as mx
-        import numpy as np
         from tensorfold_contract.serving import Prepared
 
-        rope = attn.rope
-        divisors = (np.array(rope._freqs, np.float64) if rope._freqs is not None
-                    else rope.base ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims))
-        freqs = mx.array((divisors / rope.scale).astype(np.float32))  # the angle is position / divisor
+        freqs = attn.rope.divisors()
         dims = {"heads": attn.n_heads, "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim,
                 "dtype": str(dtype).removeprefix("mlx.core.")}
         self.launch = Prepared(kind, record.implementations[kind], dims, lambda: {"freqs": freqs}, "qkv")
