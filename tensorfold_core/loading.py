@@ -25,6 +25,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"
 Progress = Callable[[str], None]
 DRAFTER_MEMBERS = ("name", "facts", "propose", "release", "catch_up", "slot_bytes_for", "kept_bytes", "shed_kept",
                    "close")
+CONTEXT_MEMBERS = ("keep_context", "resume_context", "return_context")  # a ContextKeepingDrafter's
 
 
 def _offline() -> bool:
@@ -222,6 +223,11 @@ def start_drafter(name: str, target: Model, tokenizer: Tokenizer, options: Draft
     if drafter.facts.hold_costs and not hasattr(drafter, "hold_ms"):
         raise DrafterError(f"drafter kind {kind.name}: its facts say its hold is priced, but its "
                            f"{type(drafter).__name__} has no hold_ms() (HoldPricedDrafter in "
+                           "tensorfold_core.protocols)")
+    lacking = [name for name in CONTEXT_MEMBERS if not hasattr(drafter, name)]
+    if drafter.facts.kept_context and lacking:
+        raise DrafterError(f"drafter kind {kind.name}: its facts say its context is kept with prompt states, but its "
+                           f"{type(drafter).__name__} has no {', '.join(lacking)} (ContextKeepingDrafter in "
                            "tensorfold_core.protocols)")
     return drafter
 

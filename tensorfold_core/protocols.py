@@ -158,6 +158,9 @@ class DrafterFacts:
     # most context rows a hold may catch up (0: all it lacks); past it the drafter reads the last rows, with a cut,
     # as a probe does: a drafter whose absorb costs more a row than a long prompt's drafts land bounds it
     catch_up: int = 0
+    # a `ContextKeepingDrafter`: a kept prompt state holds the stream's drafter context too, so a drafting stream that
+    # resumes it drafts as the fresh stream would (seed 003: "the drafter keeps its context with each kept prompt state")
+    kept_context: bool = False
 
 
 DEPTH_RULE = DrafterFacts()
@@ -205,6 +208,32 @@ class HoldPricedDrafter(Drafter, Protocol):
     def hold_ms(self, blocks: int, depth: int) -> float:
         """What a hold pass of `blocks` streams' blocks, the deepest of `depth` drafts, costs in wall ms now (timed
         after warm-up, moved toward each hold that settles; 0 while untimed)."""
+
+
+@runtime_checkable
+class KeptContext(Protocol):
+    """A drafter's context kept with a prompt state: its bytes (counted with the state's) and the leading tokens it
+    stands for."""
+
+    nbytes: int
+    tokens: int
+
+
+@runtime_checkable
+class ContextKeepingDrafter(Drafter, Protocol):
+    """A drafter whose `facts.kept_context` is set (DSpark's lanes). Core calls these only where the facts say so."""
+
+    def keep_context(self, stream_id: int, tokens: Sequence[int], cache: Cache) -> KeptContext | None:
+        """The stream, released, is kept as a prompt state of `tokens` (its target `cache` at their end): hand over
+        its context for those tokens, complete to their end (None: the drafter holds none for it)."""
+
+    def resume_context(self, stream_id: int, context: KeptContext, tokens: Sequence[int], limit: int) -> None:
+        """A new stream resumes the prompt state `context` was kept with at `len(tokens)` tokens: its slot starts
+        from a copy of the context's first tokens (the kept context stays with its state for later resumes)."""
+
+    def return_context(self, context: KeptContext) -> None:
+        """A context `keep_context` handed over whose state the prompt cache did not keep: the drafter keeps it
+        as it keeps a released slot."""
 
 
 class DraftAsk:

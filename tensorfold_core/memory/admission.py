@@ -76,6 +76,8 @@ class Admission:
             kept, usable = self.prompt_cache.lookup(prompt)
         if kept is not None:
             cache = self.model.restore(kept.state, limit, usable, marks=self.marks)
+            if kept.context is not None and self.drafter is not None:
+                self.drafter.resume_context(stream_id, kept.context, prompt[:usable], limit)
         else:
             cache = self.model.new_cache(limit, marks=self.marks)
         if hasattr(cache, "mark"):  # a repeat of this prompt resumes at its last token, whatever the chunks
@@ -91,12 +93,20 @@ class Admission:
             self.keep(stream)
 
     def keep(self, stream) -> None:
-        """Keep the stream's state at its cache's offset, if the prompt cache has room."""
+        """Keep the stream's state at its cache's offset, with its drafter context where the drafter keeps one, if
+        the prompt cache has room."""
         if not (self.resume and self.prompt_cache is not None and self.prompt_cache.cap_bytes):
             return
         state = self.model.snapshot(stream.cache)
-        nbytes = self.model.state_bytes(state)
-        self.prompt_cache.keep(stream.tokens[:stream.cache.offset], state, nbytes)
+        tokens = stream.tokens[:stream.cache.offset]
+        context = None
+        if self.drafter is not None and self.drafter.facts.kept_context:
+            context = self.drafter.keep_context(stream.id, tokens, stream.cache)
+            self._sync_kept_slots()  # the context left the drafter's kept slots: its bytes move to the state's
+        nbytes = self.model.state_bytes(state) + (context.nbytes if context is not None else 0)
+        if not self.prompt_cache.keep(tokens, state, nbytes, context) and context is not None:
+            self.drafter.return_context(context)
+            self._sync_kept_slots()
 
     def _sync_kept_slots(self) -> None:
         """Kept drafter slots sit in the ledger as one entry, resized as slots are kept or shed."""

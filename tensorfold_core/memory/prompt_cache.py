@@ -18,6 +18,7 @@ class KeptState:
     nbytes: int
     key: int
     last_used: int
+    context: object = None  # the drafter's context for these tokens (a `KeptContext`; None: none was kept)
 
 
 class PromptCache:
@@ -35,8 +36,9 @@ class PromptCache:
     def held(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def keep(self, tokens, state, nbytes: int) -> bool:
-        """Keep a state if it fits the cap and the ledger once older states give way; else drop it."""
+    def keep(self, tokens, state, nbytes: int, context: object = None) -> bool:
+        """Keep a state (and the drafter's context for it, its bytes in `nbytes`) if it fits the cap and the ledger
+        once older states give way; else drop it."""
         tokens = tuple(tokens)
         if not tokens or nbytes > self.cap_bytes:
             return False
@@ -52,7 +54,7 @@ class PromptCache:
             if not self.entries:
                 return False
             self._drop(self._oldest())
-        self.entries[key] = KeptState(tokens, state, nbytes, key, next(self._clock))
+        self.entries[key] = KeptState(tokens, state, nbytes, key, next(self._clock), context)
         return True
 
     def lookup(self, prompt) -> tuple[KeptState | None, int]:

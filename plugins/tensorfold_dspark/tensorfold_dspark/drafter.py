@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 import traceback
@@ -13,7 +14,7 @@ from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
-from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, DrafterFacts, Model as TargetModel, TappedModel
+from tensorfold_core.protocols import DEPTH_RULE, Cache, DraftAsk, DrafterFacts, Model as TargetModel, TappedModel
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
 
@@ -61,6 +62,18 @@ def admit(target: TargetModel, drafter_ckpt: Checkpoint, bits: int | None = None
 
 # ---- the drafter ----
 
+@dataclasses.dataclass(frozen=True)
+class KeptLane:
+    """A lane kept with a prompt state (a `KeptContext`): the context of its state's first `tokens` tokens."""
+
+    lane: Lane
+    tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.lane.nbytes
+
+
 class DSparkDrafter:
     """A `Drafter`: rows the target committed are absorbed into each stream's lane (its context keys and values),
     then a hold runs each asking stream's block [pending token, mask tokens] and picks drafts row after row."""
@@ -80,13 +93,14 @@ class DSparkDrafter:
         self.kept: list[Lane] = []  # released lanes, oldest first, adopted by a stream sharing their prefix
         # with a confidence head the lane core grants verify rows by the drafts' chances; without one, the depth rule
         # and its hold, a pass of its own, is priced by the holds timed below (the depth rule prices chain steps)
+        # either way its lanes are kept with the prompt states, so a resumed stream drafts from its whole context
         self.facts = (DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS, hold_costs=True,
-                                   shared_guard=True, lone_guard=True, catch_up=HOLD_CATCH_UP)
-                      if args.confidence else DEPTH_RULE)
+                                   shared_guard=True, lone_guard=True, catch_up=HOLD_CATCH_UP, kept_context=True)
+                      if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
-        self.stats = dict(holds=0, absorbed=0, lane_reuses=0)
+        self.stats = dict(holds=0, absorbed=0, lane_reuses=0, lane_resumes=0)
 
     # -- what the ledger reads: a lane is sized at admission and never grows while its stream decodes --
 
@@ -111,19 +125,55 @@ class DSparkDrafter:
     # -- the Proposer protocol --
 
     def release(self, stream_id: int) -> None:
-        """Keep the stream's lane (its uncut prefix) for a later request sharing it; the oldest kept give way."""
+        """Keep the stream's lane for a later request sharing its uncut prefix, or for the prompt state the host may
+        keep of the stream (`keep_context`, cuts and all); the oldest kept give way."""
         lane = self.lanes.pop(stream_id, None)
         self._chances.pop(stream_id, None)
         if lane is None:
             return
-        lane.trim(lane.whole)
-        lane.tokens = list(lane.tokens[:lane.whole])
-        if lane.whole and self.max_kept:
+        lane.pending = []
+        lane.tokens = tuple(lane.tokens)  # the stream's own list, which it no longer extends
+        if lane.n:
+            self._keep(lane)
+
+    def _keep(self, lane: Lane) -> None:
+        # a cut lane has no prefix to share: it stays only for `keep_context`, which runs right after its release
+        self.kept = [kept for kept in self.kept if kept.whole]
+        if self.max_kept:
             self.kept.append(lane)
         excess = len(self.kept) - self.max_kept
         if excess > 0:
             del self.kept[:excess]
             mx.clear_cache()
+
+    def keep_context(self, stream_id: int, tokens: Sequence[int], cache: Cache) -> KeptLane | None:
+        """The released lane of the stream, its rows since the last hold absorbed from `cache`, copied to the size
+        of `tokens` (the prompt state the host keeps); the lane leaves the kept ones."""
+        lane = next((kept for kept in reversed(self.kept) if kept.stream == stream_id), None)
+        if lane is None:
+            return None
+        self.kept.remove(lane)
+        taken = self.target.take_features(cache)
+        if taken is not None:
+            lane.pending.append(taken)
+        try:
+            self._absorb([(lane, None)])
+            kept = lane.copy(len(tokens), self.lane_capacity(len(tokens)), self.dtype)
+        except Exception:  # the state is kept without a context; the stream that resumes it absorbs its own
+            return None
+        kept.tokens = tuple(tokens)
+        return KeptLane(kept, len(tokens))
+
+    def resume_context(self, stream_id: int, context: KeptLane, tokens: Sequence[int], limit: int) -> None:
+        """The stream's lane starts as a copy of the kept lane's rows before its resume point."""
+        lane = context.lane.copy(len(tokens), self.lane_capacity(max(limit, len(tokens))), self.dtype)
+        lane.stream, lane.tokens = stream_id, tokens
+        self.lanes[stream_id] = lane
+        self.stats["lane_resumes"] += 1
+
+    def return_context(self, context: KeptLane) -> None:
+        """A kept lane whose prompt state was not kept joins the kept lanes."""
+        self._keep(context.lane)
 
     def catch_up(self, asks: Sequence[DraftAsk]) -> int:
         """Absorb the lanes lagging by more than a round's rows (their prompts, or rows committed while they stood
@@ -274,9 +324,11 @@ class DSparkDrafter:
                 self.kept = [kept for kept in self.kept if kept is not best]
                 if best.capacity == capacity:
                     best.trim(shared)
+                    best.stream = stream_id
                     self.lanes[stream_id] = best
                     return best
             lane = best.copy(shared, capacity, self.dtype)
+        lane.stream = stream_id
         self.lanes[stream_id] = lane
         return lane
 

@@ -14,7 +14,7 @@ class Lane:
     """A stream's context keys and values, rows in absorb order; a cut (rows skipped) leaves the rest valid, since
     each key was rotated at its own absolute position."""
 
-    __slots__ = ("keys", "values", "n", "end", "whole", "tokens", "pending")
+    __slots__ = ("keys", "values", "n", "end", "whole", "spans", "tokens", "pending", "stream")
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: mx.Dtype):
         shape = (1, kv_heads, capacity, head_dim)
@@ -23,8 +23,10 @@ class Lane:
         self.n = 0  # rows held
         self.end = 0  # the absolute position after the last row held
         self.whole = 0  # leading rows that are positions 0.. with no cut: what a later stream may share
+        self.spans: list[tuple[int, int]] = []  # (first position, rows) of each run of positions, in row order
         self.tokens: Sequence[int] = ()  # the context the rows came from: its first `whole` tokens stand for them
         self.pending: list[TappedRows] = []  # taken from the target's cache, not absorbed yet
+        self.stream: int | None = None  # the stream the lane was made for (None: a kept prompt state's copy)
 
     @staticmethod
     def bytes_for(layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: mx.Dtype) -> int:
@@ -44,6 +46,7 @@ class Lane:
     def trim(self, rows: int) -> None:
         """Keep the first `rows` rows of the uncut prefix (rows <= whole)."""
         self.n = self.end = self.whole = min(rows, self.whole)
+        self.spans = [(0, self.n)] if self.n else []
         self.pending = []
 
     def fresh(self, bound: int | None) -> list[TappedRows]:
@@ -72,17 +75,30 @@ class Lane:
         """The rows written are absolute positions start..start+rows."""
         if start == self.end == self.whole == self.n:
             self.whole += rows
+        if self.spans and sum(self.spans[-1]) == start:
+            self.spans[-1] = (self.spans[-1][0], self.spans[-1][1] + rows)
+        else:
+            self.spans.append((start, rows))
         self.n += rows
         self.end = start + rows
 
-    def copy(self, rows: int, capacity: int, dtype: mx.Dtype) -> "Lane":
-        """A new lane of `capacity` holding this lane's first `rows` uncut rows."""
-        rows = min(rows, self.whole)
+    def copy(self, until: int, capacity: int, dtype: mx.Dtype) -> "Lane":
+        """A new lane of `capacity` holding this lane's rows of positions before `until`, cuts and all (positions
+        rise row after row, so they are its first rows)."""
+        spans, rows = [], 0
+        for start, count in self.spans:
+            take = min(count, until - start)
+            if take <= 0:
+                break
+            spans.append((start, take))
+            rows += take
         lane = Lane(len(self.keys), self.keys[0].shape[1], self.keys[0].shape[3], max(capacity, rows), dtype)
         for layer in range(len(self.keys)):
             lane.keys[layer][..., :rows, :] = self.keys[layer][..., :rows, :]
             lane.values[layer][..., :rows, :] = self.values[layer][..., :rows, :]
-        lane.n = lane.end = lane.whole = rows
+        lane.n, lane.spans = rows, spans
+        lane.end = sum(spans[-1]) if spans else 0
+        lane.whole = spans[0][1] if spans and spans[0][0] == 0 else 0
         lane.tokens = self.tokens
         mx.eval(lane.keys, lane.values)
         return lane

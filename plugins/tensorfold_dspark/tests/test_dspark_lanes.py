@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import mlx.core as mx
@@ -135,7 +136,10 @@ def test_a_probe_absorbs_only_its_bound_of_rows_and_still_drafts(target, drafter
     lane = drafter.lanes[12]
     assert (lane.n, lane.end, lane.whole) == (4, len(PROMPT), 0) and 1 <= len(drafts) <= 3
     drafter.release(12)
-    assert all(kept is not lane for kept in drafter.kept)  # a cut lane has no prefix to share
+    assert drafter.kept[-1] is lane  # for the prompt state the host may keep of its stream
+    drafter.propose([DraftAsk(13, PROMPT + [9], 1, cache=committed_cache(target, PROMPT))])
+    drafter.release(13)
+    assert all(kept is not lane for kept in drafter.kept)  # a cut lane has no prefix to share: the next release drops it
 
 
 def test_a_released_lane_is_taken_over_by_a_stream_sharing_its_prefix_and_gives_way_when_shed(target, drafter):
@@ -248,7 +252,7 @@ def headless(tmp_path_factory, target, target_dir):
 
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_checkpoint_without_the_confidence_head_verifies_by_the_depth_rule(target, headless, references, parallel):
-    assert headless.facts == DEPTH_RULE
+    assert headless.facts == dataclasses.replace(DEPTH_RULE, kept_context=True)
     run, grants = granted_run(target, headless, parallel)
     for sid, request in enumerate(requests()):
         run.submit(sid, request)
