@@ -1,0 +1,148 @@
+"""Where a decode step's device time goes: each kernel's duration under Nsight Compute, summed by kernel, per step.
+
+    python3 tools/device/kernel_times.py TARGET [--streams 1] [--steps 4] [--top 30] [--json OUT]
+
+Runs itself under `ncu --clock-control none` (the clocks left alone, METHOD.md) with profiling off until the timed
+steps: a prompt is read and a few steps run first, so MLX has built every kernel, then `--steps` one-token steps
+per stream run between cudaProfilerStart and cudaProfilerStop. Each step's wall time is taken beforehand with no
+profiler; the report sets the kernels' summed device time a step beside it, so the rest is the device waiting on
+the host. ncu serializes kernels, so these are each kernel's own times, not overlap. Run it under the kernel table
+mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+PROMPT = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n"
+WARM_STEPS = 3  # steps run before the timed ones: MLX builds each kernel at its first call
+INNER = "TF_KERNEL_TIMES_INNER"  # set in the profiled child
+
+
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime MLX runs on (its profiler switches act on the process's primary context)."""
+    names = [p for root in sys.path + ["/usr/local/cuda/lib64"] if root and os.path.isdir(root)
+             for p in glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)]
+    for name in sorted(names, reverse=True) + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise SystemExit("kernel_times: no libcudart found to switch the profiler on (looked on sys.path and "
+                     "/usr/local/cuda/lib64)")
+
+
+def ncu_path() -> str:
+    found = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+    if found is None:
+        raise SystemExit("kernel_times: Nsight Compute's ncu is not on this machine (PATH, /opt/nvidia/nsight-compute)")
+    return found
+
+
+def steps(model, caches, token: int, n: int) -> float:
+    """`n` one-token steps of every stream, each evaluated; wall ms a step."""
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    for _ in range(n):
+        mx.eval(model.forward(caches, [[token]] * len(caches), [1] * len(caches)))
+        for cache in caches:
+            model.keep(cache, 1)
+    return (time.perf_counter() - start) * 1000.0 / max(n, 1)
+
+
+def inner(args) -> None:
+    """The profiled child: warm up, time the steps unprofiled, then run them again with the profiler on."""
+    import mlx.core as mx
+
+    from tensorfold_core.loading import load_target
+    from tensorfold_core.options import ServeOptions
+
+    target = load_target(args.target, ServeOptions())
+    model = target.model
+    ids = target.tokenizer.encode(PROMPT)
+    room = len(ids) + WARM_STEPS + 4 * args.steps + 8
+    caches = [model.new_cache(room) for _ in range(args.streams)]
+    mx.eval(model.forward(caches, [ids] * args.streams, [1] * args.streams))
+    for cache in caches:
+        model.keep(cache, len(ids))
+    steps(model, caches, ids[-1], WARM_STEPS)
+    wall = min(steps(model, caches, ids[-1], args.steps) for _ in range(2))
+    runtime = cudart()
+    mx.synchronize()
+    runtime.cudaProfilerStart()
+    steps(model, caches, ids[-1], args.steps)
+    mx.synchronize()
+    runtime.cudaProfilerStop()
+    print(json.dumps({"wall_ms_a_step": wall, "kernels": model.kernels if hasattr(model, "kernels") else None}))
+
+
+def short(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list."""
+    name = re.sub(r"\(.*$", "", name)
+    return re.sub(r"<.*>", "<...>", name)[:110]
+
+
+def report(ncu_csv: str, wall: float, steps_run: int, top: int) -> dict:
+    by_kernel: dict[str, list[float]] = defaultdict(list)
+    rows = [r for r in csv.reader(io.StringIO(ncu_csv)) if len(r) > 5]
+    header = rows[0]
+    name_at, unit_at, value_at = header.index("Kernel Name"), header.index("Metric Unit"), header.index("Metric Value")
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+    for row in rows[1:]:
+        by_kernel[short(row[name_at])].append(float(row[value_at].replace(",", "")) * scale[row[unit_at]])
+    total = sum(sum(v) for v in by_kernel.values()) / steps_run
+    print(f"\nwall {wall * 1000:.1f} us a step (unprofiled, each step evaluated); kernels' device time "
+          f"{total:.1f} us a step ({sum(len(v) for v in by_kernel.values()) / steps_run:.0f} launches): the device "
+          f"works {100 * total / (wall * 1000):.0f}% of the step")
+    print(f"{'us a step':>10} {'launches':>9} {'us each':>8}  kernel")
+    ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in ranked[:top]:
+        print(f"{sum(times) / steps_run:10.1f} {len(times) / steps_run:9.1f} {sum(times) / len(times):8.2f}  {name}")
+    return {"wall_us_a_step": wall * 1000, "device_us_a_step": total,
+            "kernels": {name: {"us_a_step": sum(t) / steps_run, "launches_a_step": len(t) / steps_run}
+                        for name, t in ranked}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if os.environ.get(INNER):
+        inner(args)
+        return 0
+    command = [ncu_path(), "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+               "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", "/dev/stderr",
+               sys.executable, __file__, args.target, "--streams", str(args.streams), "--steps", str(args.steps)]
+    done = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"kernel_times: ncu exited {done.returncode}")
+    lines = done.stdout.splitlines()
+    meta = json.loads(next(line for line in lines if line.startswith('{"wall_ms_a_step"')))
+    table = "\n".join(line for line in lines if line.startswith('"'))
+    out = report(table, meta["wall_ms_a_step"], args.steps, args.top)
+    if args.json:
+        args.json.write_text(json.dumps({"target": args.target, "streams": args.streams, **out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
