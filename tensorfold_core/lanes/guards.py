@@ -72,6 +72,10 @@ class StandAside:
         self._armed_plain = 0  # plain rounds since the probe armed
         self._aside = False  # the last depth asked stood the stream aside
 
+    def probes(self, priced: int) -> bool:
+        """Whether `depth(priced, probe)` gives the probe's depth: a probe is armed, or arms now."""
+        return priced <= 0 and (self.probing or self.count >= self.gap)
+
     def depth(self, priced: int, probe: int) -> int:
         """This round's depth: `priced` when drafting pays, `probe` while a probe is armed, else 0 (aside)."""
         self._aside = False
@@ -429,8 +433,9 @@ class DraftPlanner:
                 if granting[i]:  # a probe after a grant of none holds the slack
                     hold, probe, first[i] = holds[i], facts.slack, self._grant(ask.stream_id).granted is None
                 else:  # a probe drafts what a new stream would: the depth the prior prices, at least one
-                    hold = priced[i]
-                    probe = max(1, lone_depth(self._new_prior(ask.copy), self.costs, ask.max_depth, not ask.copy))
+                    hold, probe = priced[i], 0
+                    if lane.aside.probes(hold):  # priced only where it is asked: every stream, every round, else
+                        probe = max(1, lone_depth(self._new_prior(ask.copy), self.costs, ask.max_depth, not ask.copy))
                 depths[i] = min(lane.aside.depth(hold, probe), ask.max_depth)
                 consulted[i] = True
             depths = fit_one_pass(depths, granting, facts.hold_rows)

@@ -157,7 +157,11 @@ def shared_depths(acceptances: Sequence[Acceptance], costs: Costs, max_depths: S
     offers = sorted((-r, i, k) for i, (a, m) in enumerate(zip(acceptances, max_depths))
                     for k, r in enumerate(a.reach(m)))
     deepest = max((m for m, s in zip(max_depths, steps) if s), default=0)
+    # no rate past a chain of `top` steps beats every offer's tokens over the cheapest drafted round and that chain
+    most_tokens, least_ms = n - sum(neg_reach for neg_reach, _, _ in offers), round_ms(base_rows + 1)
     for top in range(deepest + 1):  # the deepest drafter chain this round may run
+        if offers and most_tokens / (least_ms + top * step) <= best_rate:
+            break  # a longer chain only costs more
         # one propose call batches every stream's steps, so chains run side by side and the round waits for the longest
         counts, tokens, rows, chain, top_rate = [0] * n, float(n), base_rows, top * step, 0.0
         for neg_reach, i, k in offers:
