@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,10 +34,13 @@ INNER = "TF_KERNEL_TIMES_INNER"  # set in the profiled child
 
 
 def cudart() -> ctypes.CDLL:
-    """The CUDA runtime MLX runs on (its profiler switches act on the process's primary context)."""
-    names = [p for root in sys.path + ["/usr/local/cuda/lib64"] if root and os.path.isdir(root)
+    """The CUDA runtime MLX runs on, as mapped in this process, else one found on disk (its profiler switches act
+    on the device's primary context, which every runtime in the process shares)."""
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    mapped = sorted({line.split()[-1] for line in maps.splitlines() if "libcudart.so" in line})
+    names = mapped + [p for root in sys.path + ["/usr/local/cuda/lib64"] if root and os.path.isdir(root)
              for p in glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True)]
-    for name in sorted(names, reverse=True) + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+    for name in names + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
             return ctypes.CDLL(name)
         except OSError:
@@ -128,16 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(INNER):
         inner(args)
         return 0
-    command = [ncu_path(), "--clock-control", "none", "--profile-from-start", "off", "--metrics",
-               "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", "/dev/stderr",
-               sys.executable, __file__, args.target, "--streams", str(args.streams), "--steps", str(args.steps)]
-    done = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "ncu.csv"  # ncu's results and messages; the child's own output stays on stdout
+        command = [ncu_path(), "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+                   "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", str(log),
+                   sys.executable, __file__, args.target, "--streams", str(args.streams), "--steps", str(args.steps)]
+        done = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True)
+        ncu_text = log.read_text() if log.exists() else ""
     if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
+        sys.stderr.write(done.stderr[-3000:] + ncu_text[-3000:])
         raise SystemExit(f"kernel_times: ncu exited {done.returncode}")
-    lines = done.stdout.splitlines()
-    meta = json.loads(next(line for line in lines if line.startswith('{"wall_ms_a_step"')))
-    table = "\n".join(line for line in lines if line.startswith('"'))
+    meta = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"wall_ms_a_step"')))
+    table = "\n".join(line for line in ncu_text.splitlines() if line.startswith('"'))
+    if not table:
+        sys.stderr.write(ncu_text[-3000:])
+        raise SystemExit("kernel_times: ncu profiled no kernel between cudaProfilerStart and cudaProfilerStop")
     out = report(table, meta["wall_ms_a_step"], args.steps, args.top)
     if args.json:
         args.json.write_text(json.dumps({"target": args.target, "streams": args.streams, **out}, indent=1))
