@@ -153,9 +153,3 @@ def test_the_tile_bench_checks_every_split_bit_equal_before_it_times_one(monkeyp
     assert any("SPLIT=4" in f and "differs" in f for f in failures)
     assert {(split, threads) for split, threads, _ in seen} == {(1, 256), (2, 128), (4, 64), (8, 32)}
     assert np.all([size > 1 for split, _, size in seen if split > 1])
-
-
-def test_tensorfold_gemv_split_0_keeps_every_tiles_warps_in_one_block(monkeypatch):
-    assert gemv.split(1, 2048) == 8
-    monkeypatch.setenv(gemv.SPLIT_ENV, "0")
-    assert gemv.split(1, 2048) == 1 and dict(gemv.bf16_launch(1, 2048, gemv.OUT).template)["SPLIT"] == 1

@@ -6,7 +6,6 @@ A family builds its own records from it (`record`), proven at the shapes it serv
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import numpy as np
@@ -27,7 +26,6 @@ OUT = "bfloat16"  # what the served projections give back: the activation dtype,
 # Below this many blocks a call leaves SMs idle (two blocks for each of the H200's 132): its tiles' warps are spread
 # over up to WARPS blocks instead, which moves no sum (see `split`)
 BLOCKS_WANTED = 264
-SPLIT_ENV = "TENSORFOLD_GEMV_SPLIT"  # "0": every tile's warps in one block (a measurement: bench variant `:unsplit`)
 
 
 def buckets(rows: int) -> tuple[int, int]:
@@ -51,8 +49,6 @@ def split(rows: int, n: int, geometry: tuple[int, int, int] | None = None) -> in
     """The bf16 kernel's SPLIT on CUDA: blocks a column tile's WARPS warps run in, doubled from 1 while the call
     has fewer than BLOCKS_WANTED blocks. Each warp keeps its chain and the last block adds them in warp order, so
     every SPLIT gives the same bits."""
-    if os.environ.get(SPLIT_ENV, "1") == "0":
-        return 1
     maxt, mt, _ = geometry or tiles(rows)
     blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt)
     out = 1
