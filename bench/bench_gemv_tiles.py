@@ -1,11 +1,9 @@
-"""The bf16 GEMV record's tile geometry swept on CUDA: every (MAXT, MT, U, SPLIT) timed per row count and shape,
-each output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
+"""The bf16 GEMV record's tile geometry swept on CUDA: every (MAXT, MT, U) timed per row count and shape, each
+output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
 
-# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,4,16] [--splits 1,2,4,8]
-#                                  [--tiles all|served] [--rows 1,4,8] [--shapes 2048x2048]
-# The served tiles and SPLIT (gemv.tiles, gemv.split) against every other geometry of the same K split (WARPS), each
-# at every SPLIT asked (the blocks a tile's warps are spread over): an output that differs in one bit from the
-# served launch's is a failure, and that launch is not timed. Other K splits change the sums
+# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,4,16] [--rows 1,4,8] [--shapes 2048x2048]
+# The served tiles (gemv.tiles) against every other geometry of the same K split (WARPS): an output that differs
+# in one bit from the served geometry's is a failure, and that geometry is not timed. Other splits change the sums
 # (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
 # own 1-row call (row invariance, as gate 4 asks), and timed beside. MLX's matmul is timed as the speed to beat.
 # The sweep stops starting cells after --seconds so a device call ends inside its limit; the JSON is rewritten as
@@ -14,7 +12,6 @@ each output first checked bit-equal to the served geometry's (geometry never cha
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -22,6 +19,7 @@ import time
 import mlx.core as mx
 
 from tensorfold_contract.gates import _build
+from tensorfold_contract.helpers import groups
 from tensorfold_core.row_kernels import gemv
 from tensorfold_llama.kernels.bench import timed  # the GEMV bench's timing: a median of evals of many launches
 
@@ -43,22 +41,19 @@ def geometries(warps: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: tuple[int, int, int],
-                splits: int = 1):
+def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: tuple[int, int, int]):
+    maxt, mt, u = geometry
     rows = x.shape[0]
     source = gemv.source("cuda", 16)
     kernel = _build("cuda", source, 0)
     dims = mx.array([rows, n, k], dtype=mx.int32)
-    launch = gemv.bf16_launch(rows, n, "bfloat16", geometry, splits, warps)
-    # a scratch for each call timed() puts in one eval: calls that share one must be ordered, and those are not
-    scratches = [gemv.scratch(launch) for _ in range(LAUNCHES + 1)]
-    mx.eval(scratches)
-    turn = itertools.count()
+    blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt)
 
     def call():
-        return kernel(inputs=[x, w, dims, scratches[next(turn) % len(scratches)]], template=list(launch.template),
-                      grid=launch.grid, threadgroup=launch.threadgroup, output_shapes=[(rows, n)],
-                      output_dtypes=[mx.bfloat16])[0]
+        return kernel(inputs=[x, w, dims], template=[("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u),
+                                                     ("T", mx.bfloat16)],
+                      grid=(blocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
+                      output_shapes=[(rows, n)], output_dtypes=[mx.bfloat16])[0]
 
     return call
 
@@ -66,7 +61,6 @@ def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: 
 def sweep(args) -> tuple[list[dict], list[str]]:
     cells, failures, start, refused = [], [], time.monotonic(), {}
     warps_list = [int(v) for v in args.warps.split(",")]
-    splits_list = [int(v) for v in args.splits.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     row_counts = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
     for n, k in shapes:
@@ -80,62 +74,52 @@ def sweep(args) -> tuple[list[dict], list[str]]:
             x = x_all[:rows]
             mx.eval(x)
             t_mlx = timed(lambda: x @ w.T, REPS, LAUNCHES)
-            served_split = gemv.split(rows, n)
             cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.tiles(rows)),
-                    "served_split": served_split, "geometries": []}
+                    "geometries": []}
             for warps in warps_list:
-                own = (gemv.tiles(rows), served_split) if warps == gemv.WARPS else (geometries(warps)[0], 1)
-                alone_own = (gemv.tiles(1), gemv.split(1, n)) if warps == gemv.WARPS else own
+                own = gemv.tiles(rows) if warps == gemv.WARPS else geometries(warps)[0]
                 try:
-                    first = kernel_call(n, k, x, w, warps, *own)()
-                    alone = kernel_call(n, k, x[:1], w, warps, *alone_own)()
+                    first = kernel_call(n, k, x, w, warps, own)()
+                    alone = kernel_call(n, k, x[:1], w, warps, gemv.tiles(1) if warps == gemv.WARPS else own)()
                     mx.eval(first, alone)
                 except RuntimeError as exc:
                     failures.append(f"NOTE WARPS={warps} {own} N={n} K={k} rows {rows}: {str(exc)[:160]}")
                     continue
                 if not mx.array_equal(first[:1], alone).item():
                     failures.append(f"WARPS={warps} N={n} K={k}: row 0 of {rows} rows differs from its 1-row call")
-                tried = [own[0]] if args.tiles == "served" else geometries(warps)
-                for geometry, splits in itertools.product(tried, splits_list):
-                    if (warps, geometry, splits) in refused or warps % splits:
+                for geometry in geometries(warps):
+                    if (warps, geometry) in refused:
                         continue
-                    call = kernel_call(n, k, x, w, warps, geometry, splits)
+                    call = kernel_call(n, k, x, w, warps, geometry)
                     try:
                         same = mx.array_equal(call(), first).item()
                     except RuntimeError as exc:  # more registers or shared memory than a launch may have
-                        refused[(warps, geometry, splits)] = str(exc)[:160]
+                        refused[(warps, geometry)] = str(exc)[:160]
                         continue
                     if not same:
-                        failures.append(f"WARPS={warps} {geometry} SPLIT={splits} N={n} K={k} rows {rows}: "
-                                        f"differs from {own}")
+                        failures.append(f"WARPS={warps} {geometry} N={n} K={k} rows {rows}: differs from {own}")
                         continue
                     t = timed(call, REPS, LAUNCHES)
                     cell["geometries"].append({"warps": warps, "maxt": geometry[0], "mt": geometry[1],
-                                               "u": geometry[2], "split": splits, "us": round(t * 1e6, 1),
+                                               "u": geometry[2], "us": round(t * 1e6, 1),
                                                "gbps": round(weight_bytes / t / 1e9, 1)})
-            served = next((g for g in cell["geometries"] if g["warps"] == gemv.WARPS and g["split"] == served_split
+            served = next((g for g in cell["geometries"] if g["warps"] == gemv.WARPS
                            and [g["maxt"], g["mt"], g["u"]] == cell["served"]), {"us": float("nan")})
             ours = [g for g in cell["geometries"] if g["warps"] == gemv.WARPS]
             if not ours:
                 continue
             best = min(ours, key=lambda g: g["us"])
             best_any = min(cell["geometries"], key=lambda g: g["us"])
-            # the fastest geometry at each SPLIT: what spreading a tile's warps over blocks buys, shape by shape
-            by_split = {str(v): min((g for g in ours if g["split"] == v), key=lambda g: g["us"])
-                        for v in sorted({g["split"] for g in ours})}
-            cell.update(served_us=served["us"], best=best, best_any_split=best_any, best_by_split=by_split)
+            cell.update(served_us=served["us"], best=best, best_any_split=best_any)
             cells.append(cell)
-            splits_line = " ".join(f"S{v} {g['us']:.1f}" for v, g in by_split.items())
             print(f"N={n:>5} K={k:>5} rows {rows:>3}: mlx {t_mlx * 1e6:7.1f} us | served {cell['served']} "
-                  f"S{served_split} {served['us']:7.1f} us | best {best['maxt'], best['mt'], best['u']} "
-                  f"S{best['split']} {best['us']:7.1f} us ({best['gbps']:6.0f} GB/s) | by SPLIT: {splits_line} | "
-                  f"any K split: W{best_any['warps']} {best_any['maxt'], best_any['mt'], best_any['u']} "
-                  f"S{best_any['split']} {best_any['us']:7.1f} us", flush=True)
+                  f"{served['us']:7.1f} us | best {best['maxt'], best['mt'], best['u']} {best['us']:7.1f} us "
+                  f"({best['gbps']:6.0f} GB/s) | any split: W{best_any['warps']} "
+                  f"{best_any['maxt'], best_any['mt'], best_any['u']} {best_any['us']:7.1f} us", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"mlx": mx.__version__, "cells": cells, "failures": failures,
-                               "refused": {f"WARPS={w} {g} SPLIT={v}": why for (w, g, v), why in refused.items()}},
-                              f, indent=1)
+                               "refused": {f"WARPS={w} {g}": why for (w, g), why in refused.items()}}, f, indent=1)
     return cells, failures
 
 
@@ -145,10 +129,6 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=240)
     parser.add_argument("--warps", default="8", help="K splits to sweep, e.g. 8,4,16 (each template of another "
                         "split is a compile of its own: on the H200 three splits printed no cell in 110 s)")
-    parser.add_argument("--splits", default="1,2,4,8", help="SPLITs to sweep (blocks a tile's warps run in), "
-                        "each checked bit-equal to the served launch's output")
-    parser.add_argument("--tiles", choices=("all", "served"), default="all",
-                        help="every (MAXT, MT, U), or the served one alone (a quick sweep of the SPLITs)")
     parser.add_argument("--rows", help="row counts to time, e.g. 1,4,8 (default: 1 to 128)")
     parser.add_argument("--shapes", help="N x K shapes to time, e.g. 2048x2048,2048x8192 "
                                          "(default: the 1B's and 8192^2)")

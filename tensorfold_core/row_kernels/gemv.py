@@ -6,7 +6,6 @@ A family builds its own records from it (`record`), proven at the shapes it serv
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import numpy as np
 
@@ -23,9 +22,6 @@ WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input ste
 # and of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
-# Below this many blocks a call leaves SMs idle (two blocks for each of the H200's 132): its tiles' warps are spread
-# over up to WARPS blocks instead, which moves no sum (see `split`)
-BLOCKS_WANTED = 264
 
 
 def buckets(rows: int) -> tuple[int, int]:
@@ -43,70 +39,6 @@ def tiles(rows: int) -> tuple[int, int, int]:
     # found every geometry's output bit-equal): more, smaller blocks beat deeper tiles, whose x re-reads and
     # registers cost more than the weights they share
     return (1, 2, 1) if rows <= 8 else (2, 2, 1)
-
-
-def split(rows: int, n: int, geometry: tuple[int, int, int] | None = None) -> int:
-    """The bf16 kernel's SPLIT on CUDA: blocks a column tile's WARPS warps run in, doubled from 1 while the call
-    has fewer than BLOCKS_WANTED blocks. Each warp keeps its chain and the last block adds them in warp order, so
-    every SPLIT gives the same bits."""
-    maxt, mt, _ = geometry or tiles(rows)
-    blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt)
-    out = 1
-    while out < WARPS and blocks * out < BLOCKS_WANTED:
-        out *= 2
-    return out
-
-
-def scratch_words(rows: int, n: int, geometry: tuple[int, int, int], splits: int, warps: int = WARPS) -> int:
-    """int32 words of the split kernel's scratch: a counter a tile, then each tile's WARPS chains of its rows."""
-    maxt, mt, _ = geometry
-    count = groups(n, 16 * mt) * groups(rows, 8 * maxt)
-    return 1 if splits == 1 else count + count * warps * 16 * mt * min(8 * maxt, rows)
-
-
-def bf16_launch(rows: int, n: int, out: str, geometry: tuple[int, int, int] | None = None,
-                splits: int | None = None, warps: int = WARPS) -> Launch:
-    """The cuda bf16 kernel's launch: the served geometry and SPLIT for `rows`, or those given (the tile bench)."""
-    maxt, mt, u = geometry = geometry or tiles(rows)
-    splits = splits or split(rows, n, geometry)
-    blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt) * splits
-    threads = warps // splits * 32
-    return Launch(grid=(blocks * threads if rows else 0, 1, 1), threadgroup=(threads, 1, 1),
-                  output_shapes=((rows, n),), output_dtypes=(out,),
-                  template=(("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u), ("SPLIT", splits), ("T", out)),
-                  # part (each warp's sums before the fold) and, split, the flag of the last block
-                  static_shared=4 * warps * 8 * maxt * 16 + (4 if splits > 1 else 0))
-
-
-def scratch(launch: Launch):
-    """A zeroed scratch for one launch of the cuda bf16 kernel, which leaves its counters zeroed again."""
-    import mlx.core as mx
-
-    values, (rows, n) = dict(launch.template), launch.output_shapes[0]
-    geometry = (values["MAXT"], values["MT"], values["U"])
-    # why an input and not a zero-filled output: the gates fill every output with poison and a served call fills
-    # none. Made from host memory, so no compiled graph merges it with another zeros array of its size; calls that
-    # share one (a served module's, kept per row count) must be ordered, as one module's calls in a forward are
-    return mx.array(np.zeros(scratch_words(rows, n, geometry, values["SPLIT"], values["WARPS"]), np.int32))
-
-
-_SERVED_SCRATCH: dict[int, object] = {}  # int32 words: the one scratch every served call of that size shares
-
-
-def scratch_for(case):
-    """A call's scratch: fresh for the gates and benches, which may run calls side by side in one evaluation; for a
-    served call, one a size, since a forward makes its projections one after the other (each reads what the last
-    one gave) and a module's own per row count would hold ~100 MB a module over 64 row counts."""
-    from tensorfold_contract.serving import ServedCall
-
-    launch = _launch_bf16(case)
-    if not isinstance(case, ServedCall):
-        return scratch(launch)
-    values, (rows, n) = dict(launch.template), launch.output_shapes[0]
-    words = scratch_words(rows, n, (values["MAXT"], values["MT"], values["U"]), values["SPLIT"], values["WARPS"])
-    if words not in _SERVED_SCRATCH:
-        _SERVED_SCRATCH[words] = scratch(launch)
-    return _SERVED_SCRATCH[words]
 
 
 def shard_sizes(columns: list[tuple[str, int, int]], rows: list[tuple[str, int, int]], bits: int, group: int = 64,
@@ -208,14 +140,13 @@ def qmm(x, wq, scales, biases, group: int, bits: int):
     return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
 
 
-def _inputs_for(bits: int, kind: str = "cuda"):
+def _inputs_for(bits: int):
     def inputs(case):
         import mlx.core as mx
 
         dims = int_array([case.rows, case.dims["n"], case.dims["k"]])
         if bits == 16:
-            arrays = [case.array("x", mx.bfloat16), case.array("w", mx.bfloat16), dims]
-            return arrays + [scratch_for(case)] if kind == "cuda" else arrays
+            return [case.array("x", mx.bfloat16), case.array("w", mx.bfloat16), dims]
         return [case.array("x", mx.bfloat16), case.array("wq"), case.array("scales", mx.bfloat16),
                 case.array("biases", mx.bfloat16), dims]
 
@@ -223,13 +154,13 @@ def _inputs_for(bits: int, kind: str = "cuda"):
 
 
 def _launch_bf16(case) -> Launch:
-    return bf16_launch(case.rows, case.dims["n"], out_dtype(case.dims))
-
-
-def _launch_bf16_metal(case) -> Launch:
-    """The Metal kernel's launch: the cuda one at SPLIT 1, a tile's warps all in one threadgroup."""
-    launch = bf16_launch(case.rows, case.dims["n"], out_dtype(case.dims), splits=1)
-    return dataclasses.replace(launch, template=tuple(kv for kv in launch.template if kv[0] != "SPLIT"))
+    maxt, mt, u = tiles(case.rows)
+    blocks = groups(case.dims["n"], 16 * mt) * groups(case.rows, 8 * maxt)
+    out = out_dtype(case.dims)
+    return Launch(grid=(blocks * WARPS * 32 if case.rows else 0, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  output_shapes=((case.rows, case.dims["n"]),), output_dtypes=(out,),
+                  template=(("WARPS", WARPS), ("MAXT", maxt), ("MT", mt), ("U", u), ("T", out)),
+                  static_shared=4 * WARPS * 8 * maxt * 16)  # part: each warp's sums before the fold
 
 
 def _launch_affine_for(bits: int):
@@ -247,11 +178,9 @@ def _launch_affine_for(bits: int):
 
 def source(kind: str, bits: int) -> Source:
     names = ("x", "w", "dims") if bits == 16 else ("x", "wq", "scales", "biases", "dims")
-    if bits == 16 and kind == "metal":
-        return Source("gemv16", names, ("y",), METAL_BF16, inputs=_inputs_for(16, kind), launch=_launch_bf16_metal)
     if bits == 16:
-        return Source("gemv16", (*names, "scratch"), ("y",), CUDA_BF16, inputs=_inputs_for(16), launch=_launch_bf16,
-                      header=CUDA_BF16_HEADER)
+        return Source("gemv16", names, ("y",), METAL_BF16 if kind == "metal" else CUDA_BF16, inputs=_inputs_for(16),
+                      launch=_launch_bf16, header="" if kind == "metal" else CUDA_BF16_HEADER)
     return Source(f"gemv{bits}", names, ("y",), CUDA_AFFINE, inputs=_inputs_for(bits), launch=_launch_affine_for(bits))
 
 
@@ -322,34 +251,21 @@ REORDER = swap("for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff
                "      else { for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); }")
 assert CUDA_FOLD.count("v += __shfl_xor_sync") == 1
 
-# The bf16 kernel's planted defects: edits of one line each (the warps' fold, the tail loads, the split's warps)
-_WARP_FOLD = "for (int p = 1; p < WARPS; ++p) v += chain(p);"
-
-
-def _reversed_when_many(where: str) -> Callable:
-    """The warps' sums folded last to first when more than one row shares the call and `where` holds."""
-    return swap(_WARP_FOLD, f"if (rows > 1 && {where}) {{ v = chain(WARPS - 1);\n"
-                "        for (int p = WARPS - 2; p >= 0; --p) v += chain(p); }\n"
-                "      else { " + _WARP_FOLD + " }")
-
-
-WARPS_REVERSED_WHEN_MANY = _reversed_when_many("true")
-# the same in the split kernel alone: a call of 2..8 rows splits where a call of 1 row does, so gate 4 meets it
-SPLIT_WARPS_REVERSED_WHEN_MANY = _reversed_when_many("SPLIT > 1")
-FP16_FOLD = swap(_WARP_FOLD, "for (int p = 1; p < WARPS; ++p) v = __half2float(__float2half(v + chain(p)));")
-# every block of a split tile runs the first block's warps: the other warps' chains are never computed
-SPLIT_FIRST_WARPS = swap("const int warp = (int)(blockIdx.x % SPLIT) * WB + (int)(threadIdx.x >> 5);",
-                         "const int warp = (int)(threadIdx.x >> 5);")
+# The bf16 kernel's planted defects: edits of one line each (the warps' fold, the tail loads)
+_WARP_FOLD = "for (int p = 1; p < WARPS; ++p) v += part[p][o / 16][o % 16];"
+WARPS_REVERSED_WHEN_MANY = swap(_WARP_FOLD, "if (rows > 1) { v = part[WARPS - 1][o / 16][o % 16];\n"
+                                "        for (int p = WARPS - 2; p >= 0; --p) v += part[p][o / 16][o % 16]; }\n"
+                                "      else { " + _WARP_FOLD + " }")
+FP16_FOLD = swap(_WARP_FOLD,
+                 "for (int p = 1; p < WARPS; ++p) v = __half2float(__float2half(v + part[p][o / 16][o % 16]));")
 TAIL_DROPPED = swap("const unsigned int lo = (k + 2 * e < K) ? h[k + 2 * e] : 0u;",
                     "const unsigned int lo = (k + 2 * e < K - 1) ? h[k + 2 * e] : 0u;", where="header")
 
 def edges(bits: int) -> tuple[Shape, ...]:
     if bits == 16:
         # K=203 is the one size off the 16-byte chunks: the cuda kernel's element-wise loads and its planted
-        # "dropped tail element" run on no other shape; fp32 outputs keep the fp32 bound, where an fp16 fold shows.
-        # The small ones split a tile's warps over blocks (SPLIT > 1); N=8463 has blocks enough not to
+        # "dropped tail element" run on no other shape; fp32 outputs keep the fp32 bound, where an fp16 fold shows
         sizes = [("1 row", 256, 256, 1, "float32"), ("K=203, not a multiple of 8", 40, 203, 5, "float32"),
-                 ("N=8463, unsplit, off the columns", 8463, 64, 3, "float32"),
                  ("K=264, a part sweep of the lanes", 33, 264, 16, "float32"), ("N=1, K=8", 1, 8, 3, "float32"),
                  ("N=33, off the columns per warp", 33, 256, 7, "float32"),
                  ("fp32 out, K=4096, 9 rows", 64, 4096, 9, "float32"),
@@ -399,8 +315,6 @@ def record(family: str, bits: int, shapes: tuple[Shape, ...]) -> KernelRecord:
             Control("fp16 accumulator (the warps' fold)", "cuda", 3, FP16_FOLD),
             Control("unwritten last columns (grid one group short)", "cuda", 2, relaunch(_one_group_short)),
             Control("warp sums folded in reverse when many rows", "cuda", 4, WARPS_REVERSED_WHEN_MANY),
-            Control("split warp sums folded in reverse when many rows", "cuda", 4, SPLIT_WARPS_REVERSED_WHEN_MANY),
-            Control("split blocks all running the first block's warps", "cuda", 2, SPLIT_FIRST_WARPS),
             Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
             Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
         ]

@@ -15,8 +15,8 @@ import numpy as np
 from tensorfold_contract import Control, KernelRecord, Shape, Source, Tolerance, oversize_threadgroup, swap, variant
 from tensorfold_contract.helpers import BF16_ULP, bf16, int_array
 
-from .gemv import (NOT_INVARIANT_ON_CUDA, OUT, SPLIT_WARPS_REVERSED_WHEN_MANY, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL,
-                   _launch_bf16, _launch_bf16_metal, scratch_for, tolerance as gemv_tolerance)
+from .gemv import (NOT_INVARIANT_ON_CUDA, OUT, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16,
+                   tolerance as gemv_tolerance)
 from .gemv_sources import CUDA_BF16, CUDA_BF16_HEADER, METAL_BF16
 
 FUSIONS = ("residual", "swiglu residual")
@@ -80,19 +80,13 @@ def _inputs(case):
             int_array([case.rows, case.dims["n"], case.dims["k"]])]
 
 
-def _inputs_cuda(case):
-    return _inputs(case) + [scratch_for(case)]  # the split kernel's counters and chains
-
-
 def source(kind: str, fusion: str) -> Source:
     """The cuda or metal implementation of a fusion: the bf16 GEMV's text with its x read and its store changed."""
     body = _text(CUDA_BF16 if kind == "cuda" else METAL_BF16, fusion, kind)
+    header = (CUDA_SWIGLU_HEADER if fusion == "swiglu residual" else CUDA_BF16_HEADER) if kind == "cuda" else \
+        (METAL_SWIGLU_HEADER if fusion == "swiglu residual" else "")
     name = "gemv16_res" if fusion == "residual" else "gemv16_swiglu_res"
-    if kind == "metal":
-        return Source(name, ("x", "w", "res", "dims"), ("y",), body, inputs=_inputs, launch=_launch_bf16_metal,
-                      header=METAL_SWIGLU_HEADER if fusion == "swiglu residual" else "")
-    return Source(name, ("x", "w", "res", "dims", "scratch"), ("y",), body, inputs=_inputs_cuda, launch=_launch_bf16,
-                  header=CUDA_SWIGLU_HEADER if fusion == "swiglu residual" else CUDA_BF16_HEADER)
+    return Source(name, ("x", "w", "res", "dims"), ("y",), body, inputs=_inputs, launch=_launch_bf16, header=header)
 
 
 def swiglu_host(x: np.ndarray, k: int) -> np.ndarray:
@@ -153,7 +147,6 @@ def mlx_for(fusion: str, drop_residual: bool = False, swapped_halves: bool = Fal
 
 def edges() -> tuple[Shape, ...]:
     sizes = [("1 row", 256, 256, 1), ("K=203, not a multiple of 8", 40, 203, 5), ("N=33, off the columns", 33, 256, 7),
-             ("N=8463, unsplit, off the columns", 8463, 64, 3),  # the small ones split a tile's warps over blocks
              ("K=4096, 9 rows", 64, 4096, 9), ("a prompt chunk beside 8 windows: 300 rows", 48, 256, 300),
              ("empty", 256, 256, 0)]
     return tuple(Shape(label, {"n": n, "k": k, "out": OUT}, rows) for label, n, k, rows in sizes)
@@ -168,7 +161,6 @@ def record(family: str, fusion: str, shapes: tuple[Shape, ...]) -> KernelRecord:
         Control("residual dropped", "mlx", 2, variant(mlx_for(fusion, drop_residual=True))),
         Control("residual dropped", "cuda", 2, swap(_STORE_RESIDUAL, _STORE)),
         Control("warp sums folded in reverse when many rows", "cuda", 4, WARPS_REVERSED_WHEN_MANY),
-        Control("split warp sums folded in reverse when many rows", "cuda", 4, SPLIT_WARPS_REVERSED_WHEN_MANY),
         Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
         Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
     ]

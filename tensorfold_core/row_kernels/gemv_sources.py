@@ -1,8 +1,8 @@
 """Kernel text of the row-invariant multi-row GEMV: CUDA (bf16 on tensor cores, MLX affine 4/8-bit) and Metal (bf16)."""
 
 # The bf16 kernel. Template constants: WARPS (the K split, fixed), MAXT (8-row tiles a block), MT (16-column tiles
-# a warp), U (32-input steps whose loads go out together), SPLIT (blocks a tile's WARPS warps are spread over) and T
-# (the output type). Only the geometry follows the row count; no (row, column) sum ever does.
+# a warp), U (32-input steps whose loads go out together) and T (the output type). Only the geometry follows the row
+# count; no (row, column) sum ever does.
 CUDA_BF16_HEADER = """
 // 8 consecutive bf16 of row `row` from input k on (16 bytes), zeros past K; one 16-byte load where rows are aligned
 __device__ __forceinline__ uint4 tf_load8(const __nv_bfloat16* a, int row, int k, int K, bool vec) {
@@ -33,29 +33,25 @@ __device__ __forceinline__ void tf_mma(float* d, unsigned int a0, unsigned int a
 
 CUDA_BF16 = """
 // y[r, n] = sum_k x[r, k] w[n, k] for any number of rows, the weights read once per 8*MAXT rows.
-// K is cut into 32-input steps; warp w of a tile takes steps w, w + WARPS, ... (a split fixed by K alone). In a step,
+// K is cut into 32-input steps; warp w of a block takes steps w, w + WARPS, ... (a split fixed by K alone). In a step,
 // lane (g = lane / 4, t = lane % 4) loads inputs 8t..8t+7 of weight rows g and g + 8 of each 16-column tile and of
 // x row g of each 8-row tile, and two m16n8k16 mma add them into fp32 tiles (inputs 8t..8t+3, then 8t+4..8t+7: the
 // same permutation of k on both sides). An output of the tensor cores depends on its own weight row, x row and
 // accumulator alone, so each (row, column) is one chain over the warp's steps in order, whatever shares its tile;
-// the WARPS chains are then added in warp order. A tile's warps run in one block (SPLIT 1) or in SPLIT blocks of
-// WARPS / SPLIT warps, whose chains meet in global scratch, where the tile's last block to finish adds them in the
-// same order. The row count picks MAXT, MT, SPLIT and the grid, never a sum's order.
+// the WARPS chains are then added in warp order. The row count picks MAXT, MT and the grid, never a sum's order.
 const int rows = dims[0];
 const int N = dims[1];
 const int K = dims[2];
 constexpr int RB = 8 * MAXT;  // rows a block
 constexpr int CB = 16 * MT;  // columns a block
-constexpr int WB = WARPS / SPLIT;  // warps a block
 const int lane = threadIdx.x & 31;
-const unsigned tile = blockIdx.x / SPLIT;  // a tile's SPLIT blocks are neighbours: they start and end together
-const int warp = (int)(blockIdx.x % SPLIT) * WB + (int)(threadIdx.x >> 5);  // the tile's warp, whose chain it runs
+const int warp = threadIdx.x >> 5;
 const int g = lane >> 2;
 const int t = lane & 3;
 const int row_blocks = (rows + RB - 1) / RB;
-// neighbouring tiles share their columns (row blocks vary fastest), so the weights they re-read come from L2
-const int row0 = (int)(tile % row_blocks) * RB;
-const int col0 = (int)(tile / row_blocks) * CB;
+// neighbouring blocks share their columns (row blocks vary fastest), so the weights they re-read come from L2
+const int row0 = (int)(blockIdx.x % row_blocks) * RB;
+const int col0 = (int)(blockIdx.x / row_blocks) * CB;
 if (col0 >= N) return;
 const bool vec = (K % 8) == 0;  // 16-byte loads need every row 16-byte aligned
 const int steps = (K + 31) / 32;
@@ -101,59 +97,27 @@ for (int s0 = warp; s0 < steps; s0 += WARPS * U) {
 }
 // the warps' chains, added in warp order: accumulator e of lane (g, t) holds column g + 8 (e / 2), row 2t + e % 2
 __shared__ float part[WARPS][RB][16];
-// SPLIT > 1: scratch holds a counter a tile, then each tile's chains as [WARPS][MT][min(RB, rows)][16] floats; it
-// comes in zeroed and the last block sets its tile's counter back to 0, so calls ordered on one stream may share it
-const int rs = min(RB, rows);
-int* done = const_cast<int*>(scratch);
-float* spill = reinterpret_cast<float*>(done + gridDim.x / SPLIT) + (size_t)tile * WARPS * MT * rs * 16;
-if (SPLIT > 1) {
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int j = 0; j < MAXT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 8 * j + 2 * t + (e & 1);
-        if (row0 + r < rows) spill[((size_t)warp * MT + m) * rs * 16 + r * 16 + g + 8 * (e >> 1)] = acc[m][j][e];
-      }
-    }
-  }
-  __shared__ int last;
-  __threadfence();  // this thread's chains are seen by every block before its block is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done + tile, 1) == SPLIT - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // and the other blocks' chains are read only after their counts were seen
-}
 #pragma unroll
 for (int m = 0; m < MT; ++m) {
-  if (SPLIT == 1) {
 #pragma unroll
-    for (int j = 0; j < MAXT; ++j) {
-      if (row0 + 8 * j < rows) {
+  for (int j = 0; j < MAXT; ++j) {
+    if (row0 + 8 * j < rows) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) part[warp][8 * j + 2 * t + (e & 1)][g + 8 * (e >> 1)] = acc[m][j][e];
-      }
+      for (int e = 0; e < 4; ++e) part[warp][8 * j + 2 * t + (e & 1)][g + 8 * (e >> 1)] = acc[m][j][e];
     }
-    __syncthreads();
   }
-  for (int o = threadIdx.x; o < RB * 16; o += WB * 32) {
+  __syncthreads();
+  for (int o = threadIdx.x; o < RB * 16; o += WARPS * 32) {
     const int row = row0 + o / 16;
     const int col = col0 + 16 * m + o % 16;
     if (row < rows && col < N) {
-      // warp p's chain: from shared memory, or (SPLIT > 1) from L2, where the other blocks wrote it
-      auto chain = [&](int p) {
-        return SPLIT == 1 ? part[p][o / 16][o % 16] : __ldcg(spill + ((size_t)p * MT + m) * rs * 16 + o);
-      };
-      float v = chain(0);
-      for (int p = 1; p < WARPS; ++p) v += chain(p);
+      float v = part[0][o / 16][o % 16];
+      for (int p = 1; p < WARPS; ++p) v += part[p][o / 16][o % 16];
       y[(size_t)row * N + col] = static_cast<T>(v);
     }
   }
-  if (SPLIT == 1) __syncthreads();
+  __syncthreads();
 }
-if (SPLIT > 1 && threadIdx.x == 0) done[tile] = 0;
 """
 
 # The affine kernel, shared by every CUDA variant: which warp owns which rows and columns, the accumulators, the fold
