@@ -4,9 +4,9 @@
 
 Runs itself under `ncu --clock-control none` (the clocks left alone, METHOD.md) with profiling off until the timed
 steps: a prompt is read and a few steps run first, so MLX has built every kernel, then `--steps` one-token steps
-per stream run between cudaProfilerStart and cudaProfilerStop. Each step's wall time is taken beforehand with no
-profiler; the report sets the kernels' summed device time a step beside it, so the rest is the device waiting on
-the host. ncu serializes kernels, so these are each kernel's own times, not overlap. Run it under the kernel table
+per stream run between cudaProfilerStart and cudaProfilerStop. Each step's wall time is taken in a run of its own
+without ncu (attached, even switched off, it slows every launch about tenfold); the report sets the kernels' summed
+device time a step beside it, so the rest is the device waiting on the host. ncu serializes kernels, so these are each kernel's own times, not overlap. Run it under the kernel table
 mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
 """
 
@@ -85,13 +85,16 @@ def inner(args) -> None:
         model.keep(cache, len(ids))
     steps(model, caches, ids[-1], WARM_STEPS)
     wall = min(steps(model, caches, ids[-1], args.steps) for _ in range(2))
+    if os.environ[INNER] == "wall":  # the run without ncu: its wall time is the one reported
+        print(json.dumps({"wall_ms_a_step": wall}))
+        return
     runtime = cudart()
     mx.synchronize()
     runtime.cudaProfilerStart()
     steps(model, caches, ids[-1], args.steps)
     mx.synchronize()
     runtime.cudaProfilerStop()
-    print(json.dumps({"wall_ms_a_step": wall, "kernels": model.kernels if hasattr(model, "kernels") else None}))
+    print(json.dumps({"kernels": model.kernels if hasattr(model, "kernels") else None}))
 
 
 def short(name: str) -> str:
@@ -132,17 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(INNER):
         inner(args)
         return 0
+    child = [sys.executable, __file__, args.target, "--streams", str(args.streams), "--steps", str(args.steps)]
+    timed = subprocess.run(child, env={**os.environ, INNER: "wall"}, capture_output=True, text=True)
+    if timed.returncode != 0:
+        sys.stderr.write(timed.stderr[-3000:])
+        raise SystemExit(f"kernel_times: the unprofiled run exited {timed.returncode}")
+    meta = json.loads(next(line for line in timed.stdout.splitlines() if line.startswith('{"wall_ms_a_step"')))
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "ncu.csv"  # ncu's results and messages; the child's own output stays on stdout
         command = [ncu_path(), "--clock-control", "none", "--profile-from-start", "off", "--metrics",
                    "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", str(log),
-                   sys.executable, __file__, args.target, "--streams", str(args.streams), "--steps", str(args.steps)]
+                   *child]
         done = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True)
         ncu_text = log.read_text() if log.exists() else ""
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-3000:] + ncu_text[-3000:])
         raise SystemExit(f"kernel_times: ncu exited {done.returncode}")
-    meta = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"wall_ms_a_step"')))
     table = "\n".join(line for line in ncu_text.splitlines() if line.startswith('"'))
     if not table:
         sys.stderr.write(ncu_text[-3000:])
