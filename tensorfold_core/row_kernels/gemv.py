@@ -6,6 +6,7 @@ A family builds its own records from it (`record`), proven at the shapes it serv
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -21,6 +22,7 @@ WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input ste
 # The widest call gate 4 proves row by row: 8 streams' windows of 16 rows, eight of the bf16 kernel's 16-row blocks
 # and of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
+STEPS_ENV = "TENSORFOLD_GEMV_STEPS"  # U, the 32-input steps a warp loads at once (a measurement; bits never move)
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
 
 
@@ -38,7 +40,8 @@ def tiles(rows: int) -> tuple[int, int, int]:
     # the fastest on the H200 at 1-128 rows of the 1B's and the bench's shapes (bench/bench_gemv_tiles.py, which
     # found every geometry's output bit-equal): more, smaller blocks beat deeper tiles, whose x re-reads and
     # registers cost more than the weights they share
-    return (1, 2, 1) if rows <= 8 else (2, 2, 1)
+    steps = int(os.environ.get(STEPS_ENV, "1"))
+    return (1, 2, steps) if rows <= 8 else (2, 2, steps)
 
 
 def shard_sizes(columns: list[tuple[str, int, int]], rows: list[tuple[str, int, int]], bits: int, group: int = 64,
