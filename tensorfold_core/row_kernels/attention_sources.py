@@ -51,29 +51,25 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   const int base = (first + g) * SPLIT;
   // scores: warp w takes keys w*32 .. w*32+31 and its lanes split d; all the loads go out before the 32 fixed xor
   // trees; lane i keeps key i's score, -inf outside lo..p (where nothing is loaded: the cache may end there)
-  // a warp whose 32 keys all lie outside lo..p would score -inf on every lane: it skips its loads and trees, which
-  // moves no bit (a short context's row no longer pays for a whole split's)
+  float dots[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int j = base + warp * 32 + i;
+    float dot = 0.0f;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      const float kj = (j >= lo && j <= p) ? static_cast<float>(k[(kv0 + j) * D + lane + 32 * c]) : 0.0f;
+      dot = fmaf(qr[c], kj, dot);
+    }
+    dots[i] = dot;
+  }
   float sc = NEG_INF;
-  if (base + warp * 32 <= p && base + warp * 32 + 31 >= lo) {
-    float dots[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int j = base + warp * 32 + i;
-      float dot = 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    float dot = dots[i];
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        const float kj = (j >= lo && j <= p) ? static_cast<float>(k[(kv0 + j) * D + lane + 32 * c]) : 0.0f;
-        dot = fmaf(qr[c], kj, dot);
-      }
-      dots[i] = dot;
-    }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      float dot = dots[i];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (lane == i) sc = dot;
-    }
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (lane == i) sc = dot;
   }
   if (base + t < lo || base + t > p) sc = NEG_INF;
   float m = sc;
@@ -96,11 +92,8 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   const int d = t % D;
   const int j0 = (t / D) * PER;
   float acc = 0.0f;
-  // the same keys in the same order, the loop bounded to the ones in lo..p
-  const int jfirst = max(0, lo - base - j0);
-  const int jend = min(PER, p - base - j0 + 1);
 #pragma unroll 16
-  for (int jj = jfirst; jj < jend; ++jj) {
+  for (int jj = 0; jj < PER; ++jj) {
     const int j = base + j0 + jj;
     if (j >= lo && j <= p) acc = fmaf(ew[g][j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
   }
