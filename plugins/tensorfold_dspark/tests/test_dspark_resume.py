@@ -113,3 +113,16 @@ def test_a_lane_copy_keeps_the_rows_before_a_position_cuts_and_all():
     assert (copy.n, copy.whole, copy.end, copy.spans) == (6, 4, 12, [(0, 4), (10, 2)])
     assert copy.keys[0][0, 0, :6, 0].tolist() == [0, 1, 2, 3, 10, 11]
     assert lane.copy(3, 16, mx.float32).spans == [(0, 3)] and lane.copy(8, 16, mx.float32).n == 4
+
+
+def test_a_lane_whose_state_the_prompt_cache_refuses_goes_back_to_the_kept_lanes_and_the_ledger(target, target_dir,
+                                                                                                 dspark_dir):
+    host = make_host(target, target_dir, dspark_dir, 1)  # a cap no state fits
+    try:
+        serve(host, PROMPT)
+        assert not host.admission.prompt_cache.entries
+        (returned,) = [kept for kept in host.drafter.kept if kept.stream is None]
+        assert returned.n == returned.whole == len(returned.tokens)  # the copy made for the state, whole
+        assert host.ledger.by_kind()["kept_drafter_slots"] == host.drafter.kept_bytes() > 0
+    finally:
+        host.close()
