@@ -13,6 +13,8 @@ import mlx.nn as nn
 FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op folded in (to measure what fusing saves)
 # "0": o_proj and down_proj launched apart from the residual add and swiglu (to measure what folding them in saves)
 RESIDUAL_ENV = "TENSORFOLD_FUSED_RESIDUAL"
+# "down": swiglu computed by down_proj as it reads gate|up's output, not stored by gate|up (to measure the two)
+SWIGLU_ENV = "TENSORFOLD_SWIGLU_IN"
 COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled; "1": compiled on any backend (a measurement)
 
 
@@ -96,6 +98,7 @@ class RecordFused:
             dims, arrays = {"n": bounds[-1], "k": first.weight.shape[1]}, {"w": stacked["weight"]}
         self.launch = Prepared(kind, record.implementations[kind], {**dims, "out": OUT}, lambda: arrays, "x")
         self.bounds, self.biases = bounds, [part.get("bias") for part in parts]
+        self.dims, self.arrays = dims, arrays
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         y = self.launch(x)["y"]
@@ -122,6 +125,34 @@ class RecordResidual:
 
     def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
         return self.launch(x, res=residual)["y"]
+
+
+class RecordSwiglu:
+    """A gate|up launch that stores swiglu of its two halves (the fused `swiglu` GEMV record over the same stacked
+    weights): each gate and up sum the plain GEMV's, rounded to bf16, then swiglu's steps as MLX's bf16 ops round."""
+
+    def __init__(self, gate_up: RecordFused, record, kind: str):
+        from tensorfold_contract.serving import Prepared
+
+        from .gemv import OUT
+
+        dims = {"n": gate_up.bounds[1], "k": gate_up.dims["k"], "out": OUT}
+        self.launch = Prepared(kind, record.implementations[kind], dims, lambda: gate_up.arrays, "x")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.launch(x)["y"]
+
+
+def swiglu_fused(gate_up: RecordFused | None, usable: Mapping[str, object], kind: str) -> RecordSwiglu | None:
+    """The swiglu-storing launch for a bf16 gate|up of two equal halves without biases, where the table serves it;
+    None elsewhere, or where TENSORFOLD_SWIGLU_IN=down asks down_proj to compute it as it reads (a measurement)."""
+    op = "projection bf16 swiglu"
+    if gate_up is None or op not in usable or os.environ.get(SWIGLU_ENV, "gate_up") == "down":
+        return None
+    halves = len(gate_up.bounds) == 3 and gate_up.bounds[2] == 2 * gate_up.bounds[1]
+    if not halves or "w" not in gate_up.arrays or any(b is not None for b in gate_up.biases):
+        return None
+    return RecordSwiglu(gate_up, usable[op], kind)
 
 
 def residual_fused(projection: nn.Module, usable: Mapping[str, object], kind: str, activations: mx.Dtype,

@@ -218,8 +218,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         object.__setattr__(self, "gate_up", None)  # both in one launch where a record serves them (serving.py)
-        # down_proj reading swiglu of gate_up's joined output and adding the residual, one launch (serving.py)
+        # down_proj adding the residual in its launch, reading swiglu's output or computing swiglu of gate_up's
+        # joined output as it reads it; swiglu stored by gate_up's launch (serving.py)
         object.__setattr__(self, "down_residual", None)
+        object.__setattr__(self, "swiglu", None)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
@@ -248,7 +250,8 @@ class TransformerBlock(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         h = attn.o_residual(mixed, x) if attn.o_residual is not None else x + attn.o_proj(mixed)
         if mlp.down_residual is not None:
-            return mlp.down_residual(mlp.gate_up.joined(self.post_attention_layernorm(h)), h)
+            normed = self.post_attention_layernorm(h)
+            return mlp.down_residual(mlp.swiglu(normed) if mlp.swiglu is not None else mlp.gate_up.joined(normed), h)
         return h + mlp(self.post_attention_layernorm(h))
 
     def __call__(self, x: mx.array, spans: Sequence[Span], layer: int, positions: mx.array | None = None) -> mx.array:

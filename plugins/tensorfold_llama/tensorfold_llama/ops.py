@@ -13,6 +13,10 @@ OPS = {
                                  "metal": "llama gemv bf16 + residual"},
     "projection bf16 swiglu residual": {"cpu": BUILTIN, "cuda": "llama gemv bf16 swiglu + residual",
                                         "metal": "llama gemv bf16 swiglu + residual"},
+    # gate|up storing swiglu of its halves, each computed once (down_proj then adds the residual as o_proj does),
+    # where the fused down_proj computes it again in each of its blocks; the default where it serves
+    "projection bf16 swiglu": {"cpu": BUILTIN, "cuda": "llama gemv bf16 gate|up swiglu",
+                               "metal": "llama gemv bf16 gate|up swiglu"},
     "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": BUILTIN},
     "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": BUILTIN},
     # MLX's fast rms_norm is row-invariant on CUDA (the record's mlx implementation passes gate 4 there, and the load

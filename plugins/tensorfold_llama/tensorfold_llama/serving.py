@@ -6,7 +6,7 @@ import os
 
 from tensorfold_core.kernels import records_served
 from tensorfold_core.row_kernels.modules import (RecordLinear, compile_halves, compiling, fused, projection_op,
-                                                 residual_fused, swaps)
+                                                 residual_fused, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
@@ -88,7 +88,12 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             attn, mlp = layer.self_attn, layer.mlp
             object.__setattr__(attn, "o_residual", residual_fused(attn.o_proj, usable, kind, model.dtype,
                                                                   "projection bf16 residual"))
-            if mlp.gate_up is not None and not any(b is not None for b in mlp.gate_up.biases):
+            swiglu = swiglu_fused(mlp.gate_up, usable, kind)
+            down = residual_fused(mlp.down_proj, usable, kind, model.dtype, "projection bf16 residual")
+            if swiglu is not None and down is not None:  # swiglu stored by gate|up, down_proj adding the residual
+                object.__setattr__(mlp, "swiglu", swiglu)
+                object.__setattr__(mlp, "down_residual", down)
+            elif mlp.gate_up is not None and not any(b is not None for b in mlp.gate_up.biases):
                 object.__setattr__(mlp, "down_residual", residual_fused(
                     mlp.down_proj, usable, kind, model.dtype, "projection bf16 swiglu residual"))
         if attend is not None and os.environ.get(ROPE_ROWS_ENV, "1") != "0":  # rope in the compiled first part

@@ -183,24 +183,40 @@ def test_projections_are_launched_one_by_one_where_fusing_is_turned_off(through_
     assert layer.self_attn.o_residual is None and layer.mlp.down_residual is None
 
 
-def test_compiled_layers_add_the_residual_in_o_proj_and_down_proj_whose_swiglu_reads_gate_up_s_one_output(
+def test_compiled_layers_add_the_residual_in_o_proj_and_down_proj_and_gate_up_s_launch_stores_swiglu(
         through_records, monkeypatch):
-    from tensorfold_core.row_kernels.modules import RecordResidual
+    from tensorfold_core.row_kernels.modules import RecordResidual, RecordSwiglu
 
     monkeypatch.setenv(COMPILE_ENV, "1")
     model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert isinstance(attn.o_residual, RecordResidual) and isinstance(mlp.down_residual, RecordResidual)
-    assert model.kernels["projection bf16 swiglu residual"] == "llama gemv bf16 swiglu + residual (mlx)"
+    assert isinstance(mlp.swiglu, RecordSwiglu)
+    assert model.kernels["projection bf16 swiglu"] == "llama gemv bf16 gate|up swiglu (mlx)"
     d = model.args.hidden_size
     x, h = (mx.random.normal((5, d), key=mx.random.key(k)).astype(mx.bfloat16) for k in (3, 4))
     assert mx.array_equal(attn.o_residual(x, h), h + attn.o_proj(x)).item()
     gate, up = mlp.gate_up(x)
-    assert mx.array_equal(mlp.down_residual(mlp.gate_up.joined(x), h), h + mlp.down_proj(nn.silu(gate) * up)).item()
+    assert mx.array_equal(mlp.swiglu(x), nn.silu(gate) * up).item()
+    assert mx.array_equal(mlp.down_residual(mlp.swiglu(x), h), h + mlp.down_proj(nn.silu(gate) * up)).item()
     monkeypatch.setenv(COMPILE_ENV, "0")  # op by op (as on the CPU by default): each op its own call
     apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert apart.model.layers[0].self_attn.o_residual is None and apart.model.layers[0].mlp.down_residual is None
+
+
+def test_asked_to_down_proj_reads_gate_up_s_output_through_swiglu_as_before(through_records, monkeypatch):
+    from tensorfold_core.row_kernels.modules import SWIGLU_ENV
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(SWIGLU_ENV, "down")
+    model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    mlp = model.model.layers[0].mlp
+    assert mlp.swiglu is None
+    assert model.kernels["projection bf16 swiglu residual"] == "llama gemv bf16 swiglu + residual (mlx)"
+    x, h = (mx.random.normal((5, model.args.hidden_size), key=mx.random.key(k)).astype(mx.bfloat16) for k in (3, 4))
+    gate, up = mlp.gate_up(x)
+    assert mx.array_equal(mlp.down_residual(mlp.gate_up.joined(x), h), h + mlp.down_proj(nn.silu(gate) * up)).item()
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 2.0},

@@ -37,18 +37,22 @@ def served(bits: int, group: int = 64) -> tuple[Shape, ...]:
 
 
 def fused_served(fusion: str) -> tuple[Shape, ...]:
-    """Each model's o_proj (residual) or down_proj (swiglu residual) at the widest call: a group's ranks add the
-    residual after their sum, so no shard shape is served fused."""
+    """Each model's o_proj and down_proj (residual: down_proj adds it where gate|up stores swiglu), down_proj (swiglu
+    residual) or gate|up (swiglu: n the swiglu's width), at the widest call: a group's ranks add the residual after
+    their sum, so no shard shape is served fused."""
     out = []
     for label, m, heavy in MODELS:
-        n, k = (m["hidden"], m["hidden"]) if fusion == "residual" else (m["hidden"], m["inter"])
-        out.append(Shape(f"{label} {'o' if fusion == 'residual' else 'down'} {n}x{k}", {"n": n, "k": k, "out": OUT},
-                         WIDEST_CALL, heavy))
+        d, inter = m["hidden"], m["inter"]
+        sizes = {"residual": [("o", d, d), ("down", d, inter)], "swiglu residual": [("down", d, inter)],
+                 "swiglu": [("gate|up", inter, d)]}[fusion]
+        out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, "out": OUT}, WIDEST_CALL, heavy)
+                for what, n, k in sizes]
     return tuple(out)
 
 
 BF16 = record("llama", 16, served(16))
 RESIDUAL = gemv_fused.record("llama", "residual", fused_served("residual"))
 SWIGLU_RESIDUAL = gemv_fused.record("llama", "swiglu residual", fused_served("swiglu residual"))
+SWIGLU = gemv_fused.record("llama", "swiglu", fused_served("swiglu"))
 Q4 = record("llama", 4, served(4))
 Q8 = record("llama", 8, served(8))
