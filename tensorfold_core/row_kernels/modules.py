@@ -268,33 +268,6 @@ class ShapeCompiled:
         return compiled(first, *rest)
 
 
-class KeyedCompiled:
-    """A function mx.compile'd once for each key its caller names (what a trace bakes in: row bounds, buffers'
-    shapes), from the key's second call on: a layout met once runs its uncompiled parts, so a server meeting ever
-    new layouts traces only those that repeat; past `keep` traces the least recently used is dropped with its trace.
-    `make(whole)` gives the function: traced whole (True) or run as its compiled parts (False)."""
-
-    def __init__(self, keyed_spans: bool = False, keep: int = 64):
-        self.keyed_spans = keyed_spans  # the caller keys its streams' spans too (an attention reading them on the host)
-        self.keep = keep
-        self.compiled: dict = {}
-        self.seen: dict = {}  # keys met once, most recent last
-
-    def __call__(self, key, make: Callable[[bool], Callable], *args: mx.array):
-        compiled = self.compiled.pop(key, None)
-        if compiled is None:
-            if self.seen.pop(key, None) is None:
-                self.seen[key] = True
-                if len(self.seen) > 4 * self.keep:
-                    del self.seen[next(iter(self.seen))]
-                return make(False)(*args)
-            compiled = mx.compile(make(True))
-            if len(self.compiled) >= self.keep:
-                del self.compiled[next(iter(self.compiled))]
-        self.compiled[key] = compiled  # last in the dict: the most recently used
-        return compiled(*args)
-
-
 def compiling(usable: Mapping[str, object], kind: str) -> bool:
     """Whether a family compiles its layers' parts: where records serve on a GPU (a compiled call replays the kernels
     it traced, without the Python that builds them again and without MLX's custom-kernel binding, which assembles a

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Sequence
 
 import mlx.core as mx
@@ -284,8 +283,6 @@ class Model(nn.Module):
         self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.stacked = False  # caches of one buffer for all layers, written once a forward (serving.py sets it)
-        # all layers over stacked caches as one compiled call, by the forward's layout (serving.py sets it)
-        self.stack_compiled = None
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -344,37 +341,9 @@ class Model(nn.Module):
         """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
         as they were; then each stream's window of every layer stored at once."""
         groups = stream_groups(spans)
-        arrays = [a for _, _, packed, keys, values in groups for a in (packed.rowmap, *keys, *values)]
-        layout = tuple((lo, hi, packed.spans, len(keys)) for lo, hi, packed, keys, _ in groups)
-        compiled = self.stack_compiled
-        if compiled is not None:
-            # the layout's row bounds and the buffers' shapes are the trace's; the streams' offsets travel in the
-            # rowmaps, except where an attention of composed ops reads them on the host (`keyed_spans`)
-            key = (h.shape[0], tuple((lo, hi, spans if compiled.keyed_spans else None, count)
-                                     for lo, hi, spans, count in layout), tuple(a.shape for a in arrays))
-            h, keys, values = compiled(key, lambda whole: partial(self.stack, layout, whole=whole), h, positions,
-                                       *arrays)
-        else:
-            h, keys, values = self.stack(layout, h, positions, *arrays)
-        for start, n, cache, _ in spans:
-            cache.store_window(keys[:, start:start + n], values[:, start:start + n])
-        return h
-
-    def stack(self, layout: tuple, h: mx.array, positions: mx.array, *arrays: mx.array,
-              whole: bool = False) -> tuple[mx.array, mx.array, mx.array]:
-        """Every layer over the stacked caches (`arrays`: each group's rowmap, key and value buffers): the rows out,
-        and each layer's new keys and values stacked, made after the last attention has read the caches. `whole`:
-        traced as one compiled call, each layer's parts traced as themselves, not as compiled calls of their own."""
-        from tensorfold_core.row_kernels.attention_streams import Packed
-
-        groups, at = [], 0
-        for lo, hi, spans, count in layout:
-            rowmap, keys, values = arrays[at], arrays[at + 1:at + 1 + count], arrays[at + 1 + count:at + 1 + 2 * count]
-            groups.append((lo, hi, Packed(spans, rowmap), list(keys), list(values)))
-            at += 1 + 2 * count
         new_keys, new_values = [], []
         for i, layer in enumerate(self.model.layers):
-            before, after = (layer.before_roped, layer.after) if whole or not layer.halves else layer.halves
+            before, after = layer.halves or (layer.before_roped, layer.after)
             q, k, v = before(h, positions)
             mixed = layer.self_attn.mix_streams(q, k, v, groups, i)
             h = after(h, mixed)
@@ -382,7 +351,9 @@ class Model(nn.Module):
             new_values.append(v)
         # stored after the last layer's attention has read the caches, so each buffer is updated in place
         keys, values = mx.depends([mx.stack(new_keys), mx.stack(new_values)], [mixed])
-        return h, keys, values
+        for start, n, cache, _ in spans:
+            cache.store_window(keys[:, start:start + n], values[:, start:start + n])
+        return h
 
     def keep(self, cache: KVCache, rows: int) -> None:
         mx.eval(self.keep_later(cache, rows))  # cut the graph: a window whose rows gave no logits is computed here

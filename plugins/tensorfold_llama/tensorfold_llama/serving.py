@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (KeyedCompiled, RecordLinear, compile_halves, compiling, fused,
-                                                 projection_op, residual_fused, swaps, swiglu_fused)
+from tensorfold_core.row_kernels.modules import (RecordLinear, compile_halves, compiling, fused, projection_op,
+                                                 residual_fused, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
@@ -20,9 +20,6 @@ STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
 # where rope runs by rows, q and k are roped (and v copied) into their heads by one launch of the rope qkv record
 # straight from the q|k|v launch's rows (the default where it serves); "0" slices and ropes them op by op, to measure
 ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
-# where every stream's attention of a layer is one launch, all the layers are one compiled call (the default, from a
-# layout's second forward); "0" calls each layer's compiled parts and its attention apart, to measure (docs/gpu.md)
-STACK_ENV = "TENSORFOLD_COMPILE_STACK"
 
 
 class RopedQKV:
@@ -110,7 +107,5 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                 for layer in blocks.layers:
                     layer.self_attn.attend_streams = STREAMS_ATTENTION[kind]
                 model.stacked = True
-                if os.environ.get(STACK_ENV, "1") != "0":
-                    model.stack_compiled = KeyedCompiled(keyed_spans=kind == "mlx")
         compile_halves(blocks.layers, usable, kind)
     return labels

@@ -310,51 +310,6 @@ def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_o
                                           .item() for layer in range(len(theirs.keys)))
 
 
-def test_all_layers_as_one_compiled_call_give_the_logits_and_caches_of_the_layers_called_apart(through_records,
-                                                                                              monkeypatch):
-    from tensorfold_llama.serving import STACK_ENV
-
-    monkeypatch.setenv(COMPILE_ENV, "1")
-    whole, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    monkeypatch.setenv(STACK_ENV, "0")
-    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    assert whole.stack_compiled is not None and apart.stack_compiled is None and apart.stacked
-    prompts = [tokenizer.encode(text) for text in PROMPTS]
-    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in (whole, apart)}
-    for windows in (prompts, [[7, 8, 9]] * 3, [[11]] * 3, [[12], [13, 14], [15]]):
-        theirs = apart.forward(caches[id(apart)], windows, [len(w) for w in windows])
-        # the same forward twice, none of its rows kept between: a layout's second forward is the compiled call
-        for again in (True, False):
-            ours = whole.forward(caches[id(whole)], windows, [len(w) for w in windows])
-            assert mx.array_equal(ours, theirs).item()
-            for cache in caches[id(whole)] if again else ():
-                whole.keep(cache, 0)
-        for m in (whole, apart):
-            for cache, window in zip(caches[id(m)], windows):
-                m.keep(cache, len(window))
-    assert len(whole.stack_compiled.compiled) == 4  # each layout traced once, at its second forward
-    for ours, theirs in zip(caches[id(whole)], caches[id(apart)]):
-        n = ours.offset
-        assert n == theirs.offset and mx.array_equal(ours.k[:, :, :n], theirs.k[:, :, :n]).item()
-        assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
-
-
-def test_a_keyed_compiled_function_traces_a_key_at_its_second_call_and_keeps_only_the_most_recent():
-    from tensorfold_core.row_kernels.modules import KeyedCompiled
-
-    made = []
-
-    def make(whole):
-        made.append(whole)
-        return lambda x: x * 2
-
-    twice = KeyedCompiled(keep=2)
-    for key in ("a", "a", "b", "b", "a", "c", "c"):
-        assert twice(key, make, mx.ones((2,))).tolist() == [2.0, 2.0]
-    assert made == [False, True, False, True, False, True]  # "a" traced once, then replayed
-    assert list(twice.compiled) == ["a", "c"]  # "b", the least recently used, dropped with its trace
-
-
 def test_on_the_cpu_the_table_compiles_no_layer_part(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     for table in ("table", "records"):  # the CPU serves MLX's ops or the records' mlx implementations: nothing to gain
