@@ -1,13 +1,15 @@
 """Where a decode step's device time goes: each kernel's duration under Nsight Compute, summed by kernel, per step.
 
-    python3 tools/device/kernel_times.py TARGET [--streams 1] [--steps 4] [--top 30] [--json OUT]
+    python3 tools/device/kernel_times.py TARGET [--streams 1] [--steps 4] [--top 30] [--json OUT] [--warm]
 
 Runs itself under `ncu --clock-control none` (the clocks left alone, METHOD.md) with profiling off until the timed
 steps: a prompt is read and a few steps run first, so MLX has built every kernel, then `--steps` one-token steps
 per stream run between cudaProfilerStart and cudaProfilerStop. Each step's wall time is taken in a run of its own
 without ncu (attached, even switched off, it slows every launch about tenfold); the report sets the kernels' summed
-device time a step beside it, so the rest is the device waiting on the host. ncu serializes kernels, so these are each kernel's own times, not overlap. Run it under the kernel table
-mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
+device time a step beside it, so the rest is the device waiting on the host. ncu serializes kernels, so these are
+each kernel's own times, not overlap; and it flushes the caches before each one, so a kernel whose inputs a served
+step finds in L2 (a cache's keys, a norm's row) shows its cold time: `--warm` keeps the caches between kernels.
+Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--warm", action="store_true",
+                        help="keep the caches between kernels (ncu --cache-control none), as a served step finds them")
     args = parser.parse_args(argv)
     if os.environ.get(INNER):
         inner(args)
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = json.loads(next(line for line in timed.stdout.splitlines() if line.startswith('{"wall_ms_a_step"')))
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "ncu.csv"  # ncu's results and messages; the child's own output stays on stdout
-        command = [ncu_path(), "--clock-control", "none", "--profile-from-start", "off", "--metrics",
+        warm = ["--cache-control", "none"] if args.warm else []
+        command = [ncu_path(), "--clock-control", "none", *warm, "--profile-from-start", "off", "--metrics",
                    "gpu__time_duration.sum", "--csv", "--print-units", "base", "--log-file", str(log),
                    *child]
         done = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True)
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("kernel_times: ncu profiled no kernel between cudaProfilerStart and cudaProfilerStop")
     out = report(table, meta["wall_ms_a_step"], args.steps, args.top)
     if args.json:
-        args.json.write_text(json.dumps({"target": args.target, "streams": args.streams, **out}, indent=1))
+        args.json.write_text(json.dumps({"target": args.target, "streams": args.streams, "warm": args.warm, **out},
+                                        indent=1))
     return 0
 
 
