@@ -110,10 +110,10 @@ class StackedKV:
         self.offset = tokens
 
     def store_window(self, k: mx.array, v: mx.array) -> None:
-        """Store a window's keys and values of every layer, [layers, rows, kv_heads, head_dim], at offset.."""
-        end = self.offset + k.shape[1]
-        self.k[:, :, self.offset:end, :] = k.transpose(0, 2, 1, 3)
-        self.v[:, :, self.offset:end, :] = v.transpose(0, 2, 1, 3)
+        """Store a window's keys and values of every layer, [rows, layers, kv_heads, head_dim], at offset.."""
+        end = self.offset + k.shape[0]
+        self.k[:, :, self.offset:end, :] = k.transpose(1, 2, 0, 3)
+        self.v[:, :, self.offset:end, :] = v.transpose(1, 2, 0, 3)
 
     def commit(self, rows: int) -> list[mx.array]:
         self.offset += rows

@@ -283,6 +283,7 @@ class Model(nn.Module):
         self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.stacked = False  # caches of one buffer for all layers, written once a forward (serving.py sets it)
+        self.stack_kv = None  # the layers' new keys and values stacked by a kernel record (serving.py sets it)
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -349,10 +350,12 @@ class Model(nn.Module):
             h = after(h, mixed)
             new_keys.append(k)
             new_values.append(v)
+        stacked = self.stack_kv(new_keys, new_values) if self.stack_kv is not None else \
+            (mx.stack(new_keys, axis=1), mx.stack(new_values, axis=1))
         # stored after the last layer's attention has read the caches, so each buffer is updated in place
-        keys, values = mx.depends([mx.stack(new_keys), mx.stack(new_values)], [mixed])
+        keys, values = mx.depends(list(stacked), [mixed])
         for start, n, cache, _ in spans:
-            cache.store_window(keys[:, start:start + n], values[:, start:start + n])
+            cache.store_window(keys[start:start + n], values[start:start + n])
         return h
 
     def keep(self, cache: KVCache, rows: int) -> None:

@@ -33,4 +33,7 @@ OPS = {
     # it serves (with the layers compiled), a forward's launches no longer grow with its streams in every layer
     "attention streams": {"cpu": BUILTIN, "cuda": "llama window attention streams",
                           "metal": "llama window attention streams"},
+    # where the streams attention serves, the layers' new keys and values stacked for the caches in one launch (MLX's
+    # stack launches a copy a layer, for keys and values apart)
+    "stack kv": {"cpu": BUILTIN, "cuda": "llama stack kv", "metal": "llama stack kv"},
 }

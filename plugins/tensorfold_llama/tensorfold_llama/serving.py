@@ -20,6 +20,9 @@ STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
 # where rope runs by rows, q and k are roped (and v copied) into their heads by one launch of the rope qkv record
 # straight from the q|k|v launch's rows (the default where it serves); "0" slices and ropes them op by op, to measure
 ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
+# where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
+# (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
+STACK_KV_ENV = "TENSORFOLD_STACK_KV"
 
 
 class RopedQKV:
@@ -107,5 +110,9 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                 for layer in blocks.layers:
                     layer.self_attn.attend_streams = STREAMS_ATTENTION[kind]
                 model.stacked = True
+                if "stack kv" in usable and os.environ.get(STACK_KV_ENV, "1") != "0":
+                    from tensorfold_core.row_kernels.stack import STACKS
+
+                    model.stack_kv = STACKS[kind]
         compile_halves(blocks.layers, usable, kind)
     return labels

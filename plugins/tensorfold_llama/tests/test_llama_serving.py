@@ -310,6 +310,42 @@ def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_o
                                           .item() for layer in range(len(theirs.keys)))
 
 
+def test_the_layers_keys_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_stack_does(through_records,
+                                                                                            monkeypatch):
+    from tensorfold_core.row_kernels.stack import STACKS
+    from tensorfold_llama.serving import STACK_KV_ENV
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    served, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    monkeypatch.setenv(STACK_KV_ENV, "0")
+    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert served.stack_kv is STACKS["mlx"] and apart.stack_kv is None
+    assert served.kernels["stack kv"] == "llama stack kv (mlx)"
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in (served, apart)}
+    for windows in (prompts, [[7, 8]] * 3):
+        for m in (served, apart):
+            m.forward(caches[id(m)], windows, [len(w) for w in windows])
+            for cache, window in zip(caches[id(m)], windows):
+                m.keep(cache, len(window))
+    for ours, theirs in zip(caches[id(served)], caches[id(apart)]):
+        n = ours.offset
+        assert n == theirs.offset and mx.array_equal(ours.k[:, :, :n], theirs.k[:, :, :n]).item()
+        assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
+
+
+def test_the_stack_kernels_refuse_what_they_cannot_copy_with_why():
+    import mlx.core as mx
+
+    from tensorfold_core.row_kernels.stack import MAX_LAYERS, launch
+
+    with pytest.raises(ValueError, match="1 to 32 layers|layers: the stack kernels take 1 to"):
+        launch(4, MAX_LAYERS + 1, 2, 32, mx.bfloat16)
+    with pytest.raises(ValueError, match="copy 8 at a time"):
+        launch(4, 2, 1, 4, mx.bfloat16)
+    assert launch(3, 16, 8, 64, mx.bfloat16).output_shapes == ((3, 16, 8, 64),) * 2
+
+
 def test_on_the_cpu_the_table_compiles_no_layer_part(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     for table in ("table", "records"):  # the CPU serves MLX's ops or the records' mlx implementations: nothing to gain
