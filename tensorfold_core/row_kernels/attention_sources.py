@@ -50,16 +50,22 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   // a group past the last split holds no key of the row: it loads nothing, and its result is never folded
   const int base = (first + g) * SPLIT;
   // scores: warp w takes keys w*32 .. w*32+31 and its lanes split d; all the loads go out before the 32 fixed xor
-  // trees; lane i keeps key i's score, -inf outside lo..p (where nothing is loaded: the cache may end there)
+  // trees; lane i keeps key i's score, -inf outside lo..p. A key outside lo..p adds 0 and loads key min(max(j, lo), p)
+  // instead (the cache may end at p): every load is in bounds and unconditional, so none waits on another's use; a
+  // warp with no key of the row loads nothing
   float dots[32];
+  const int wbase = base + warp * 32;
+  const bool keyed = wbase <= p && wbase + 31 >= lo;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    const int j = base + warp * 32 + i;
+    const int j = wbase + i;
+    const auto krow = k + (kv0 + min(max(j, lo), p)) * D;
+    const bool in = j >= lo && j <= p;
     float dot = 0.0f;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-      const float kj = (j >= lo && j <= p) ? static_cast<float>(k[(kv0 + j) * D + lane + 32 * c]) : 0.0f;
-      dot = fmaf(qr[c], kj, dot);
+      const float kj = keyed ? static_cast<float>(krow[lane + 32 * c]) : 0.0f;
+      dot = fmaf(qr[c], in ? kj : 0.0f, dot);
     }
     dots[i] = dot;
   }
@@ -88,14 +94,18 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   __syncthreads();
   float ls = wsum[g][0];
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
-  // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones in lo..p only
+  // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones in lo..p only; the
+  // loop stops at p, and a key before lo loads key lo instead and adds nothing (unconditional loads, as above)
   const int d = t % D;
   const int j0 = (t / D) * PER;
+  const int upto = min(PER, max(0, p - (base + j0) + 1));
   float acc = 0.0f;
 #pragma unroll 16
-  for (int jj = 0; jj < PER; ++jj) {
+  for (int jj = 0; jj < upto; ++jj) {
     const int j = base + j0 + jj;
-    if (j >= lo && j <= p) acc = fmaf(ew[g][j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
+    const auto vrow = v + (kv0 + max(j, lo)) * D;
+    const float vj = static_cast<float>(vrow[d]);
+    if (j >= lo) acc = fmaf(ew[g][j - base], vj, acc);
   }
   part[g][t] = acc;
   __syncthreads();
@@ -165,12 +175,16 @@ float M = -INFINITY, L = 0.0f, O = 0.0f;
 for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   const int base = (first + g) * SPLIT;
   float dots[32];
+  const int wbase = base + warp * 32;
+  const bool keyed = wbase <= p && wbase + 31 >= lo;
   for (int i = 0; i < 32; ++i) {
-    const int j = base + warp * 32 + i;
+    const int j = wbase + i;
+    const auto krow = k + (kv0 + metal::min(metal::max(j, lo), p)) * D;
+    const bool in = j >= lo && j <= p;
     float dot = 0.0f;
     for (int c = 0; c < D / 32; ++c) {
-      const float kj = (j >= lo && j <= p) ? static_cast<float>(k[(kv0 + j) * D + lane + 32 * c]) : 0.0f;
-      dot = metal::fma(qr[c], kj, dot);
+      const float kj = keyed ? static_cast<float>(krow[lane + 32 * c]) : 0.0f;
+      dot = metal::fma(qr[c], in ? kj : 0.0f, dot);
     }
     dots[i] = dot;
   }
@@ -197,10 +211,13 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
   const int d = t % D;
   const int j0 = (t / D) * PER;
+  const int upto = metal::min(PER, metal::max(0, p - (base + j0) + 1));
   float acc = 0.0f;
-  for (int jj = 0; jj < PER; ++jj) {
+  for (int jj = 0; jj < upto; ++jj) {
     const int j = base + j0 + jj;
-    if (j >= lo && j <= p) acc = metal::fma(ew[g][j - base], static_cast<float>(v[(kv0 + j) * D + d]), acc);
+    const auto vrow = v + (kv0 + metal::max(j, lo)) * D;
+    const float vj = static_cast<float>(vrow[d]);
+    if (j >= lo) acc = metal::fma(ew[g][j - base], vj, acc);
   }
   part[g][t] = acc;
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -240,8 +257,9 @@ if (tid < D) out[((size_t)row * H + head) * D + tid] = O / L;
 STREAM_SLOTS = 8  # streams one launch takes; a forward with more launches once per 8
 
 
-def _streams(body: str) -> str:
-    """The single-stream body with its position prologue and its key and value loads replaced."""
+def _streams(body: str, ns: str = "") -> str:
+    """The single-stream body with its position prologue and its key and value loads replaced (`ns`: the namespace of
+    min and max in the body's language)."""
     edits = [
         ("const int C = dims[3];\nconst int offset = dims[4];\nconst int window = dims[5];\n",
          "const int layer = dims[3];\nconst int window = dims[4];\n"),
@@ -257,10 +275,13 @@ def _streams(body: str) -> str:
         ("const size_t kv0 = (size_t)kvh * C;",
          "const size_t kv0 = ((size_t)layer * KV + kvh) * C;\n"
          "const size_t kn0 = (size_t)kvh * D;  // key j >= off of the row's stream: packed row wrow + j - off"),
-        ("k[(kv0 + j) * D + lane + 32 * c]",
-         "(j < off ? kc[(kv0 + j) * D + lane + 32 * c] : kn[(size_t)(wrow + j - off) * KV * D + kn0 + lane + 32 * c])"),
-        ("v[(kv0 + j) * D + d]",
-         "(j < off ? vc[(kv0 + j) * D + d] : vn[(size_t)(wrow + j - off) * KV * D + kn0 + d])"),
+        # the row's pointer chosen by a select, then one load: neither side is loaded past its end
+        (f"const auto krow = k + (kv0 + {ns}min({ns}max(j, lo), p)) * D;",
+         f"const int jk = {ns}min({ns}max(j, lo), p);\n"
+         "    const auto krow = jk < off ? kc + (kv0 + jk) * D : kn + (size_t)(wrow + jk - off) * KV * D + kn0;"),
+        (f"const auto vrow = v + (kv0 + {ns}max(j, lo)) * D;",
+         f"const int jv = {ns}max(j, lo);\n"
+         "    const auto vrow = jv < off ? vc + (kv0 + jv) * D : vn + (size_t)(wrow + jv - off) * KV * D + kn0;"),
     ]
     for old, new in edits:
         if body.count(old) != 1:
@@ -270,4 +291,4 @@ def _streams(body: str) -> str:
 
 
 CUDA_STREAMS = _streams(CUDA)
-METAL_STREAMS = _streams(METAL)
+METAL_STREAMS = _streams(METAL, "metal::")

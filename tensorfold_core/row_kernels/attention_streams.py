@@ -23,8 +23,8 @@ from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
 CACHES = tuple(f"k{s}" for s in range(STREAM_SLOTS)) + tuple(f"v{s}" for s in range(STREAM_SLOTS))
 NAMES = ("q", "kn", "vn", *CACHES, "rowmap", "scale", "dims")
 LAYERS = 2  # layers of the contract's caches: the call reads the last, the first is NaN
-# splits a block runs side by side: two, not the single-stream kernel's four, since choosing each key's source costs
-# registers (80-96 a thread at head_dim 64-128 on sm_90), and 1,024 threads of those pass what a block may hold
+# splits a block runs side by side: two, as the single-stream kernel (1,024 threads of its registers pass what a
+# block may hold on sm_90)
 GROUPS = 2
 
 
