@@ -130,18 +130,15 @@ def served_stack(kind: str):
     made: dict = {}
 
     def stack(keys: Sequence, values: Sequence):
-        first = keys[0]
-        if len(keys) > MAX_LAYERS:
+        rows, kv, d = keys[0].shape
+        if len(keys) > MAX_LAYERS or not rows:  # more layers than the kernel names; nothing to launch
             return stack_mlx(keys, values)
+        plan = launch(rows, len(keys), kv, d, keys[0].dtype)
         kernel = made.get("kernel")
         if kernel is None:
             make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
             kernel = made["kernel"] = make(name=NAME[kind], input_names=list(NAMES), output_names=["ks", "vs"],
                                            source=CUDA if kind == "cuda" else METAL)
-        rows, kv, d = first.shape
-        plan = launch(rows, len(keys), kv, d, first.dtype)
-        if not rows:
-            return stack_mlx(keys, values)
         pad = MAX_LAYERS - len(keys)
         dims = made.get(("dims", rows, kv * d))
         if dims is None:

@@ -346,6 +346,18 @@ def test_the_stack_kernels_refuse_what_they_cannot_copy_with_why():
     assert launch(3, 16, 8, 64, mx.bfloat16).output_shapes == ((3, 16, 8, 64),) * 2
 
 
+def test_a_model_deeper_than_the_stack_kernel_or_a_forward_of_no_rows_stacks_with_mlx_s_ops():
+    import mlx.core as mx
+
+    from tensorfold_core.row_kernels.stack import MAX_LAYERS, STACKS
+
+    for layers, rows in ((MAX_LAYERS + 1, 3), (4, 0)):  # neither builds a kernel (none could run on this CPU)
+        keys = [mx.full((rows, 2, 8), float(j)) for j in range(layers)]
+        ks, vs = STACKS["cuda"](keys, [k + 1 for k in keys])
+        assert ks.shape == vs.shape == (rows, layers, 2, 8)
+        assert mx.array_equal(ks, mx.stack(keys, axis=1)).item() and mx.array_equal(vs, ks + 1).item()
+
+
 def test_on_the_cpu_the_table_compiles_no_layer_part(monkeypatch):
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     for table in ("table", "records"):  # the CPU serves MLX's ops or the records' mlx implementations: nothing to gain
