@@ -281,15 +281,21 @@ def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for
                 m.keep(cache, len(window))
 
 
+def compiled_with_and_without(monkeypatch, env: str):
+    """tiny-llama in bf16 with its layers compiled, as served, then again with `env` set to "0"; and its tokenizer."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    served, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    monkeypatch.setenv(env, "0")
+    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    return served, apart, tokenizer
+
+
 def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_of_one_launch_a_stream(through_records,
                                                                                                     monkeypatch):
     from tensorfold_llama.cache import StackedKV
     from tensorfold_llama.serving import STREAMS_ENV
 
-    monkeypatch.setenv(COMPILE_ENV, "1")
-    packed, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    monkeypatch.setenv(STREAMS_ENV, "0")
-    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    packed, apart, tokenizer = compiled_with_and_without(monkeypatch, STREAMS_ENV)
     assert packed.stacked and isinstance(packed.new_cache(8), StackedKV) and not apart.stacked
     stacked = packed.new_cache(96)  # the ledger's price of a cache is what a stacked one holds
     assert sum(a.nbytes for a in stacked.keys + stacked.values) == packed.cache_bytes(96) == apart.cache_bytes(96)
@@ -315,10 +321,7 @@ def test_the_layers_keys_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_
     from tensorfold_core.row_kernels.stack import STACKS
     from tensorfold_llama.serving import STACK_KV_ENV
 
-    monkeypatch.setenv(COMPILE_ENV, "1")
-    served, tokenizer, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    monkeypatch.setenv(STACK_KV_ENV, "0")
-    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    served, apart, tokenizer = compiled_with_and_without(monkeypatch, STACK_KV_ENV)
     assert served.stack_kv is STACKS["mlx"] and apart.stack_kv is None
     assert served.kernels["stack kv"] == "llama stack kv (mlx)"
     prompts = [tokenizer.encode(text) for text in PROMPTS]
