@@ -92,8 +92,9 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             object.__setattr__(attn, "o_residual", residual_fused(attn.o_proj, usable, kind, model.dtype,
                                                                   "projection bf16 residual"))
             swiglu = swiglu_fused(mlp.gate_up, usable, kind)
-            down = residual_fused(mlp.down_proj, usable, kind, model.dtype, "projection bf16 residual")
-            if swiglu is not None and down is not None:  # swiglu stored by gate|up, down_proj adding the residual
+            down = None if swiglu is None else residual_fused(mlp.down_proj, usable, kind, model.dtype,
+                                                              "projection bf16 residual")
+            if down is not None:  # swiglu stored by gate|up, down_proj adding the residual
                 object.__setattr__(mlp, "swiglu", swiglu)
                 object.__setattr__(mlp, "down_residual", down)
             elif mlp.gate_up is not None and not any(b is not None for b in mlp.gate_up.biases):
