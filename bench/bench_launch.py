@@ -3,8 +3,9 @@ one, the rmsnorm and GEMV records) against MLX's own ops at one row, outputs che
 
 # python bench/bench_launch.py [--json OUT] [--chain 200]
 # Each cell evaluates a chain of --chain calls, each reading the previous one's output (a forward's ops wait on each
-# other), and keeps the median of 5 evaluations; per call = time / chain. An empty custom kernel gives the floor
-# of the custom-kernel path, mx.abs on one row the floor of MLX's own.
+# other), and keeps the median of 5 evaluations; per call = time / chain, building the chain's graph and in all. A
+# row copy gives the floor of the custom-kernel path (with 8 KB more text, and with 8 inputs: what a launch's cost
+# grows with), mx.abs on one row the floor of MLX's own.
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from tensorfold_core.row_kernels import gemv, rmsnorm
 D = 2048
 
 
-def per_call(step, x, chain: int) -> float:
+def per_call(step, x, chain: int) -> tuple[float, float]:
+    """(building the chain, building and evaluating it) per call, medians of 5."""
     def run():
         y = x
         for _ in range(chain):
@@ -30,20 +32,28 @@ def per_call(step, x, chain: int) -> float:
         return y
 
     mx.eval(run())
-    samples = []
+    built, whole = [], []
     for _ in range(5):
         t0 = time.perf_counter()
-        mx.eval(run())
-        samples.append((time.perf_counter() - t0) / chain)
-    return statistics.median(samples)
+        y = run()
+        t1 = time.perf_counter()
+        mx.eval(y)
+        built.append((t1 - t0) / chain)
+        whole.append((time.perf_counter() - t0) / chain)
+    return statistics.median(built), statistics.median(whole)
 
 
 def cells(chain: int) -> dict:
     w = (mx.random.normal((D, D), key=mx.random.key(1)) / D ** 0.5).astype(mx.bfloat16)
     norm_w = mx.ones((D,), mx.bfloat16)
-    empty = mx.fast.cuda_kernel(name="tf_copy_row", input_names=["x"], output_names=["y"],
-                                source="const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
-                                       f"if (i < {D}) y[i] = x[i];\n")
+    copy_text = f"const int i = blockIdx.x * blockDim.x + threadIdx.x;\nif (i < {D}) y[i] = x[i];\n"
+    empty = mx.fast.cuda_kernel(name="tf_copy_row", input_names=["x"], output_names=["y"], source=copy_text)
+    # the same copy with 8 KB of comment (MLX hashes a kernel's text at each launch), and with 8 inputs
+    padded = mx.fast.cuda_kernel(name="tf_copy_row_padded", input_names=["x"], output_names=["y"],
+                                 source=("// " + "x" * 125 + "\n") * 64 + copy_text)
+    many = mx.fast.cuda_kernel(name="tf_copy_row_8", input_names=["x", *(f"u{i}" for i in range(7))],
+                               output_names=["y"], source=copy_text)
+    unused = [mx.zeros((D,), mx.bfloat16) for _ in range(7)]
     gemv_launch = Prepared("cuda", gemv.source("cuda", 16), {"n": D, "k": D, "out": gemv.OUT}, lambda: {"w": w}, "x")
     norm_launch = Prepared("cuda", rmsnorm.source("cuda"),
                            {"d": D, "dtype": "bfloat16", "eps": 1e-5},
@@ -53,6 +63,11 @@ def cells(chain: int) -> dict:
         "mlx abs (one row)": lambda y: mx.abs(y),
         "custom kernel, a row copy": lambda y: empty(inputs=[y], grid=(D, 1, 1), threadgroup=(256, 1, 1),
                                                      output_shapes=[y.shape], output_dtypes=[y.dtype])[0],
+        "custom kernel, a row copy, 8 KB text": lambda y: padded(inputs=[y], grid=(D, 1, 1), threadgroup=(256, 1, 1),
+                                                                output_shapes=[y.shape], output_dtypes=[y.dtype])[0],
+        "custom kernel, a row copy, 8 inputs": lambda y: many(inputs=[y, *unused], grid=(D, 1, 1),
+                                                               threadgroup=(256, 1, 1), output_shapes=[y.shape],
+                                                               output_dtypes=[y.dtype])[0],
         "mlx fast.rms_norm": lambda y: mx.fast.rms_norm(y, norm_w, 1e-5),
         "rmsnorm record (cuda)": lambda y: norm_launch(y)["out"],
         "mlx matmul 2048x2048": lambda y: y @ w.T,
@@ -66,7 +81,7 @@ def cells(chain: int) -> dict:
     out = {}
     for name, step in steps.items():
         try:
-            out[name] = round(per_call(step, x, chain) * 1e6, 2)
+            out[name] = [round(t * 1e6, 2) for t in per_call(step, x, chain)]
         except RuntimeError as exc:  # one cell's failure costs that cell alone
             print(f"{name}: {exc}", file=sys.stderr)
     return out
@@ -81,11 +96,12 @@ def main() -> int:
         print("the launch bench times cuda kernels: no CUDA device here", file=sys.stderr)
         return 2
     results = cells(args.chain)
-    for name, us in results.items():
-        print(f"{name:<36} {us:8.2f} us a call in a chain of {args.chain}")
+    print(f"{'us a call in a chain of ' + str(args.chain):<40} {'built':>8} {'in all':>8}")
+    for name, (built, whole) in results.items():
+        print(f"{name:<40} {built:8.2f} {whole:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mlx": mx.__version__, "chain": args.chain, "us_per_call": results}, f, indent=1)
+            json.dump({"mlx": mx.__version__, "chain": args.chain, "us_per_call_built_and_in_all": results}, f, indent=1)
     return 0
 
 

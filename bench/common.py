@@ -207,7 +207,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"},
             "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}, "per-stream": {"TENSORFOLD_STREAM_ATTENTION": "0"},
             "unfused-residual": {"TENSORFOLD_FUSED_RESIDUAL": "0"}, "rope-apart": {"TENSORFOLD_ROPE_QKV": "0"},
-            "swiglu-down": {"TENSORFOLD_SWIGLU_IN": "down"}, "stack-builtin": {"TENSORFOLD_STACK_KV": "0"}}
+            "swiglu-down": {"TENSORFOLD_SWIGLU_IN": "down"}, "stack-builtin": {"TENSORFOLD_STACK_KV": "0"},
+            "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -220,7 +221,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     computes swiglu apart from o_proj's and down_proj's launches, TENSORFOLD_FUSED_RESIDUAL=0, `:rope-apart` slices and
     ropes q, k and v op by op, TENSORFOLD_ROPE_QKV=0, `:swiglu-down` has down_proj compute swiglu as it reads
     gate|up's output instead of gate|up storing it, TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks the layers'
-    new keys and values with MLX's ops, TENSORFOLD_STACK_KV=0): the JSON its last line prints."""
+    new keys and values with MLX's ops, TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text with its comments,
+    TENSORFOLD_KERNEL_COMMENTS=1): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from . import devices
+from .kernel_text import build, served_text
 from .record import Case, KernelRecord, Shape, Source
 
 INT_POISON = 2147483520.0  # exact in float32 and far past any id or flag, so an unwritten int output shows
@@ -84,7 +85,8 @@ class Inputs:
 
 def _kernel_name(kind: str, source: Source) -> str:
     """A name that changes with the text: MLX caches compiled kernels by name, in memory and on disk."""
-    text = "\0".join([kind, source.header, source.body, *source.input_names, "|", *source.output_names])
+    text = "\0".join([kind, served_text(source.header), served_text(source.body), *source.input_names, "|",
+                      *source.output_names])
     return f"tf_{source.name}_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
@@ -92,16 +94,10 @@ _BUILT: dict = {}
 
 
 def _build(kind: str, source: Source, dynamic_shared: int):
-    import mlx.core as mx
-
     key = (kind, _kernel_name(kind, source), dynamic_shared)
     if key not in _BUILT:
-        common = dict(name=key[1], input_names=list(source.input_names), output_names=list(source.output_names),
-                      source=source.body, header=source.header)
-        if kind == "cuda":
-            _BUILT[key] = mx.fast.cuda_kernel(**common, shared_memory=dynamic_shared)
-        else:
-            _BUILT[key] = mx.fast.metal_kernel(**common)
+        _BUILT[key] = build(kind, key[1], source.input_names, source.output_names, source.body, source.header,
+                            dynamic_shared)
     return _BUILT[key]
 
 

@@ -20,6 +20,7 @@ import zipfile
 import numpy as np
 
 from .gates import _kernel_name, make_case
+from .kernel_text import served_text
 from .record import Source
 from .registry import discover
 
@@ -43,12 +44,13 @@ def ctype(dtype) -> str:
 
 def generated(source: Source, name: str, inputs: list, launch) -> str:
     """The kernel text MLX 0.32's CUDA backend compiles for this source, these inputs and this launch."""
+    body = served_text(source.body)
     params = []
     for arg, a in zip(source.input_names, inputs):
         params.append(f"    const {ctype(a.dtype)}* {arg}")
         if a.ndim > 0:
             for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
-                if arg + suffix in source.body:
+                if arg + suffix in body:
                     params.append(f"    const __grid_constant__ {kind} {arg}{suffix}")
     params += [f"    {ctype(d)}* {out}" for out, d in zip(source.output_names, launch.output_dtypes)]
     consts = []
@@ -59,9 +61,9 @@ def generated(source: Source, name: str, inputs: list, launch) -> str:
             consts.append(f"  constexpr int {key} = {value};")
         else:
             consts.append(f"  using {key} = {ctype(value)};")
-    return (MLX_HEADER + source.header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return (MLX_HEADER + served_text(source.header) + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n\n"
-            + source.body + "\n}\n\n} // namespace mlx::core::cu\n")
+            + body + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 REGISTERS_A_BLOCK = 65536  # what one block may hold on sm_90: a launch asking more fails ("too many resources")

@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .gates import _kernel_name
+from .kernel_text import build
 from .record import Source
 
 _KERNELS: dict = {}  # (kind, source name, body hash, dynamic shared bytes) -> the built mx.fast kernel
@@ -35,16 +36,12 @@ class ServedCall:
 
 
 def _kernel(kind: str, source: Source, dynamic_shared: int):
-    import mlx.core as mx
-
     key = (kind, source.name, hash(source.body), hash(source.header), dynamic_shared)
     if key not in _KERNELS:
         # named by its text, as the gates name theirs: MLX caches compiled kernels by name, on disk too, so a name
         # that outlived an edit of the text would serve the old build
-        common = dict(name=_kernel_name(kind, source), input_names=list(source.input_names),
-                      output_names=list(source.output_names), source=source.body, header=source.header)
-        _KERNELS[key] = (mx.fast.cuda_kernel(**common, shared_memory=dynamic_shared) if kind == "cuda"
-                         else mx.fast.metal_kernel(**common))
+        _KERNELS[key] = build(kind, _kernel_name(kind, source), source.input_names, source.output_names,
+                              source.body, source.header, dynamic_shared)
     return _KERNELS[key]
 
 

@@ -12,6 +12,7 @@ from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, S
 
 from .attention_sources import CUDA, METAL
 from tensorfold_contract.helpers import EPS32, WIDEST, mx_dtype, rounded
+from tensorfold_contract.kernel_text import build as build_kernel
 
 SPLIT = 256  # keys a split: split s holds the absolute positions s*SPLIT .. s*SPLIT+SPLIT-1, whatever the call
 # splits a block runs side by side (cuda, metal): a long context's splits no longer queue one by one; two, since
@@ -145,8 +146,7 @@ def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int
         body = CUDA if kind == "cuda" else METAL
         # named by its text: MLX caches compiled kernels by name, in memory and on disk
         name = f"tf_window_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
-        make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
-        kernel = _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
+        kernel = _BUILT[kind] = build_kernel(kind, name, NAMES, ["out"], body)
     # the cache's [1, kv_heads, capacity, head_dim] buffer goes in as it is: the same memory as _kernel_inputs'
     # [kv_heads, capacity, head_dim], with no reshape to build on every layer's call
     dims = _dims(rows, heads, kv_heads, capacity, offset, window or 0)

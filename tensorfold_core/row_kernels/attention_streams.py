@@ -19,6 +19,7 @@ from .attention import (CUDA_DROPPED_LAST_KEY, CUDA_WARPS_REVERSED_WHEN_MANY, LO
 from .attention import shape as single_stream_shape
 from .attention_sources import CUDA_STREAMS, METAL_STREAMS, STREAM_SLOTS
 from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
+from tensorfold_contract.kernel_text import build as build_kernel
 
 CACHES = tuple(f"k{s}" for s in range(STREAM_SLOTS)) + tuple(f"v{s}" for s in range(STREAM_SLOTS))
 NAMES = ("q", "kn", "vn", *CACHES, "rowmap", "scale", "dims")
@@ -79,8 +80,7 @@ def _source_streams_attention(kind: str, q, kn, vn, keys: Sequence, values: Sequ
     if kernel is None:
         body = CUDA_STREAMS if kind == "cuda" else METAL_STREAMS
         name = f"tf_streams_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"  # MLX caches kernels by name
-        make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
-        kernel = _BUILT[kind] = make(name=name, input_names=list(NAMES), output_names=["out"], source=body)
+        kernel = _BUILT[kind] = build_kernel(kind, name, NAMES, ["out"], body)
     (out,) = kernel(inputs=inputs, **launch)
     return out
 

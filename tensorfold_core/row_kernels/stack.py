@@ -14,6 +14,7 @@ import numpy as np
 
 from tensorfold_contract import Control, KernelRecord, Launch, Shape, Source, oversize_threadgroup, swap, variant
 from tensorfold_contract.helpers import groups, int_array, mx_dtype, rounded, row_scales
+from tensorfold_contract.kernel_text import build as build_kernel
 
 THREADS = 256
 # MLX builds a custom kernel for a fixed list of input names: the sources take MAX_LAYERS named keys and values and
@@ -136,9 +137,8 @@ def served_stack(kind: str):
         plan = launch(rows, len(keys), kv, d, keys[0].dtype)
         kernel = made.get("kernel")
         if kernel is None:
-            make = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
-            kernel = made["kernel"] = make(name=NAME[kind], input_names=list(NAMES), output_names=["ks", "vs"],
-                                           source=CUDA if kind == "cuda" else METAL)
+            kernel = made["kernel"] = build_kernel(kind, NAME[kind], NAMES, ["ks", "vs"],
+                                                   CUDA if kind == "cuda" else METAL)
         pad = MAX_LAYERS - len(keys)
         dims = made.get(("dims", rows, kv * d))
         if dims is None:

@@ -1,0 +1,43 @@
+"""The text a custom kernel is built from: its code as written, less comments and indentation."""
+
+# MLX copies a custom kernel's whole text into every call's primitive and hashes it again at every launch
+# (CustomKernel::eval_gpu), so a forward of a hundred launches pays for its comments each token.
+# TENSORFOLD_KERNEL_COMMENTS=1 builds the text as written (the same code: a bench variant compares the two).
+
+from __future__ import annotations
+
+import os
+
+
+def served_text(text: str) -> str:
+    """`text` with its // comments, indentation and blank lines dropped; lines kept, for the preprocessor."""
+    if os.environ.get("TENSORFOLD_KERNEL_COMMENTS") == "1":
+        return text
+    lines = (_code(line).strip() for line in text.splitlines())
+    return "".join(line + "\n" for line in lines if line)
+
+
+def _code(line: str) -> str:
+    """The line up to a // that opens a comment (one inside a string literal, as in inline asm, does not)."""
+    quoted, i = False, 0
+    while i < len(line):
+        if quoted and line[i] == "\\":
+            i += 2
+            continue
+        if line[i] == '"':
+            quoted = not quoted
+        elif not quoted and line.startswith("//", i):
+            return line[:i]
+        i += 1
+    return line
+
+
+def build(kind: str, name: str, input_names, output_names, body: str, header: str = "", shared_memory: int = 0):
+    """mx.fast.cuda_kernel (kind "cuda") or mx.fast.metal_kernel over the served text of `body` and `header`."""
+    import mlx.core as mx
+
+    common = dict(name=name, input_names=list(input_names), output_names=list(output_names),
+                  source=served_text(body), header=served_text(header))
+    if kind == "cuda":
+        return mx.fast.cuda_kernel(**common, shared_memory=shared_memory)
+    return mx.fast.metal_kernel(**common)
