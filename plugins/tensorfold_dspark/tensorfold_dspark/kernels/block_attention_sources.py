@@ -50,18 +50,23 @@ for (int first = 0; first <= last; first += GROUPS) {
   // a group past the last split holds no key: it loads nothing, and its result is never folded
   const int base = (first + g) * SPLIT;
   // scores: warp w takes keys w*32 .. w*32+31 and its lanes split d; all the loads go out before the 32 fixed xor
-  // trees; lane i keeps key i's score, -inf past T (where nothing is loaded)
+  // trees; lane i keeps key i's score, -inf past T. A key past T adds 0 and loads key T - 1 instead (the buffers may
+  // end there), its row's pointer chosen by a select: every load is in bounds and unconditional, so none waits on
+  // another's use; a warp with no key before T loads nothing
   float dots[32];
+  const int wbase = base + warp * 32;
+  const bool keyed = wbase < T;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    const int j = base + warp * 32 + i;
+    const int j = wbase + i;
+    const int jk = min(j, T - 1);
+    const auto krow = jk < n ? context_keys + (c0 + jk) * D : block_keys + (b0 + jk - n) * D;
+    const bool in = j < T;
     float dot = 0.0f;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
-      const int el = lane + 32 * c;
-      const float kj = j < n ? static_cast<float>(context_keys[(c0 + j) * D + el])
-                             : (j < T ? static_cast<float>(block_keys[(b0 + j - n) * D + el]) : 0.0f);
-      dot = fmaf(qr[c], kj, dot);
+      const float kj = keyed ? static_cast<float>(krow[lane + 32 * c]) : 0.0f;
+      dot = fmaf(qr[c], in ? kj : 0.0f, dot);
     }
     dots[i] = dot;
   }
@@ -90,16 +95,17 @@ for (int first = 0; first <= last; first += GROUPS) {
   __syncthreads();
   float ls = wsum[g][0];
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
-  // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones before T only
+  // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones before T only; the
+  // loop stops at T, its bound set before it, and the row's pointer is a select (unconditional loads, as above)
   const int d = t % D;
   const int j0 = (t / D) * PER;
+  const int upto = min(PER, max(0, T - (base + j0)));
   float acc = 0.0f;
 #pragma unroll 16
-  for (int jj = 0; jj < PER; ++jj) {
+  for (int jj = 0; jj < upto; ++jj) {
     const int j = base + j0 + jj;
-    if (j >= T) break;
-    const float vj = j < n ? static_cast<float>(context_values[(c0 + j) * D + d])
-                           : static_cast<float>(block_values[(b0 + j - n) * D + d]);
+    const auto vrow = j < n ? context_values + (c0 + j) * D : block_values + (b0 + j - n) * D;
+    const float vj = static_cast<float>(vrow[d]);
     acc = fmaf(ew[g][j - base], vj, acc);
   }
   part[g][t] = acc;
@@ -171,14 +177,17 @@ float M = -INFINITY, L = 0.0f, O = 0.0f;
 for (int first = 0; first <= last; first += GROUPS) {
   const int base = (first + g) * SPLIT;
   float dots[32];
+  const int wbase = base + warp * 32;
+  const bool keyed = wbase < T;
   for (int i = 0; i < 32; ++i) {
-    const int j = base + warp * 32 + i;
+    const int j = wbase + i;
+    const int jk = metal::min(j, T - 1);
+    const auto krow = jk < n ? context_keys + (c0 + jk) * D : block_keys + (b0 + jk - n) * D;
+    const bool in = j < T;
     float dot = 0.0f;
     for (int c = 0; c < D / 32; ++c) {
-      const int el = lane + 32 * c;
-      const float kj = j < n ? static_cast<float>(context_keys[(c0 + j) * D + el])
-                             : (j < T ? static_cast<float>(block_keys[(b0 + j - n) * D + el]) : 0.0f);
-      dot = metal::fma(qr[c], kj, dot);
+      const float kj = keyed ? static_cast<float>(krow[lane + 32 * c]) : 0.0f;
+      dot = metal::fma(qr[c], in ? kj : 0.0f, dot);
     }
     dots[i] = dot;
   }
@@ -205,12 +214,12 @@ for (int first = 0; first <= last; first += GROUPS) {
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
   const int d = t % D;
   const int j0 = (t / D) * PER;
+  const int upto = metal::min(PER, metal::max(0, T - (base + j0)));
   float acc = 0.0f;
-  for (int jj = 0; jj < PER; ++jj) {
+  for (int jj = 0; jj < upto; ++jj) {
     const int j = base + j0 + jj;
-    if (j >= T) break;
-    const float vj = j < n ? static_cast<float>(context_values[(c0 + j) * D + d])
-                           : static_cast<float>(block_values[(b0 + j - n) * D + d]);
+    const auto vrow = j < n ? context_values + (c0 + j) * D : block_values + (b0 + j - n) * D;
+    const float vj = static_cast<float>(vrow[d]);
     acc = metal::fma(ew[g][j - base], vj, acc);
   }
   part[g][t] = acc;
