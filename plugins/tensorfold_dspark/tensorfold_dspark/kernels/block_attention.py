@@ -18,6 +18,7 @@ import numpy as np
 from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, Source, Tolerance, \
     oversize_threadgroup, swap, variant
 from tensorfold_contract.helpers import EPS32, mx_dtype, rounded
+from tensorfold_contract.kernel_text import build as build_kernel
 from tensorfold_core.row_kernels.attention import GROUPS, SPLIT, STALE, THREADS, VMAX
 
 from .block_attention_sources import CUDA, METAL
@@ -129,8 +130,7 @@ def _source_attention(kind: str, q, context_keys, context_values, n: int, block_
         body = CUDA if kind == "cuda" else METAL
         # named by its text: MLX caches compiled kernels by name, in memory and on disk
         name = f"tf_dspark_block_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
-        make_kernel = mx.fast.cuda_kernel if kind == "cuda" else mx.fast.metal_kernel
-        kernel = _BUILT[kind] = make_kernel(name=name, input_names=list(NAMES), output_names=["out"], source=body)
+        kernel = _BUILT[kind] = build_kernel(kind, name, NAMES, ["out"], body)
     launch = _geometry(rows, heads, dim)
     (out,) = kernel(inputs=_kernel_inputs(q, context_keys, context_values, n, block_keys, block_values, scale),
                     template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
