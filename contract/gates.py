@@ -116,6 +116,7 @@ def run_source(kind: str, source: Source, case: Case) -> dict:
     """Launch a source kernel with every output pre-filled with poison, so an element it never writes fails."""
     import mlx.core as mx
 
+    source = source.at(case)
     launch = source.launch(case)
     poison = _poison(launch.output_dtypes)
     if 0 in launch.grid:  # nothing to launch (the empty call): outputs stay poison, so they had better be empty

@@ -32,6 +32,27 @@ def _code(line: str) -> str:
     return line
 
 
+def select_chain(var: str, prefix: str, count: int) -> str:
+    """`var == 0 ? prefix0 : ... : prefix<count - 1>`: one of `count` inputs by index (MLX passes each its pointer)."""
+    return " : ".join([f"{var} == {i} ? {prefix}{i}" for i in range(count - 1)] + [f"{prefix}{count - 1}"])
+
+
+def narrowed(body: str, targets: tuple[str, ...], count: int) -> str:
+    """`body` with each select chain assigned to a target (`kc = `, say) cut to its first `count` inputs: entries kept as
+    they are, so a control planted in them stays planted."""
+    for target in targets:
+        if body.count(target) != 1:
+            raise ValueError(f"the body assigns {target!r} {body.count(target)} times, expected once")
+        start = body.index(target) + len(target)
+        end = body.index(";", start)
+        entries = body[start:end].split(" : ")
+        if not 1 <= count <= len(entries):
+            raise ValueError(f"{target!r} chooses among {len(entries)} inputs: cannot keep {count}")
+        cut = entries[:count - 1] + [entries[count - 1].split(" ? ")[-1]]
+        body = body[:start] + " : ".join(cut) + body[end:]
+    return body
+
+
 def build(kind: str, name: str, input_names, output_names, body: str, header: str = "", shared_memory: int = 0):
     """mx.fast.cuda_kernel (kind "cuda") or mx.fast.metal_kernel over the served text of `body` and `header`."""
     import mlx.core as mx

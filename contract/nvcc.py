@@ -84,8 +84,9 @@ def instances(reg, quick: bool) -> list[tuple[str, str, int, int]]:
             for rows in rows_list:
                 case_rows = min(rows, shape.rows) if quick else rows
                 case = make_case(record, shape, case_rows, np.random.default_rng(0))
-                launch = source.launch(case)
-                text = generated(source, _kernel_name("cuda", source), source.inputs(case), launch)
+                served = source.at(case)
+                launch = served.launch(case)
+                text = generated(served, _kernel_name("cuda", served), served.inputs(case), launch)
                 if text not in seen:
                     seen.add(text)
                     threads = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2]

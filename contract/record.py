@@ -102,6 +102,13 @@ class Source:
     launch: Callable[[Case], Launch]
     header: str = ""
     finish: Callable[[list, Case], dict] | None = None  # kernel outputs -> the record's outputs; default by name
+    # the text a case launches, where fewer inputs serve it (MLX's launch costs grow with its inputs): a function of
+    # this source, planted or not, and the case
+    narrow: Callable[["Source", Case], "Source"] | None = None
+
+    def at(self, case: Case) -> "Source":
+        """The source `case` launches: this one, or the narrower one `narrow` makes of it."""
+        return self if self.narrow is None else self.narrow(self, case)
 
     def outputs(self, arrays: list, case: Case) -> dict:
         if self.finish is not None:

@@ -51,6 +51,7 @@ def call(kind: str, implementation, served: ServedCall) -> dict:
 
     if not isinstance(implementation, Source):
         return implementation(served)
+    implementation = implementation.at(served)
     launch = implementation.launch(served)
     if 0 in launch.grid:
         outs = [mx.zeros(shape, dtype) for shape, dtype in zip(launch.output_shapes, launch.output_dtypes)]

@@ -5,6 +5,8 @@
 # D (head dim, a multiple of 32 dividing SPLIT), SPLIT (keys a split, one thread each) and GROUPS (splits a block
 # runs side by side: its threads are GROUPS * SPLIT).
 
+from tensorfold_contract.kernel_text import select_chain
+
 CUDA = """
 // One block per (row, head): GROUPS groups of SPLIT threads, thread t of a group owning key t of its split. Row r sits
 // at absolute position p = offset + r and attends keys lo..p (lo = 0, or p - window + 1 under a sliding window). The
@@ -268,10 +270,8 @@ def _streams(body: str, ns: str = "") -> str:
          "const int wrow = rowmap[3 * row + 2];  // the packed index of the window's first row\n"
          "const int off = p - (row - wrow);  // the window's first position: keys from here on are packed rows\n"
          "const int C = dims[5 + slot];\n"
-         "const auto kc = " + " : ".join(f"slot == {s} ? k{s}" for s in range(STREAM_SLOTS - 1))
-         + f" : k{STREAM_SLOTS - 1};\n"
-         "const auto vc = " + " : ".join(f"slot == {s} ? v{s}" for s in range(STREAM_SLOTS - 1))
-         + f" : v{STREAM_SLOTS - 1};\n"),
+         f"const auto kc = {select_chain('slot', 'k', STREAM_SLOTS)};\n"
+         f"const auto vc = {select_chain('slot', 'v', STREAM_SLOTS)};\n"),
         ("const size_t kv0 = (size_t)kvh * C;",
          "const size_t kv0 = ((size_t)layer * KV + kvh) * C;\n"
          "const size_t kn0 = (size_t)kvh * D;  // key j >= off of the row's stream: packed row wrow + j - off"),

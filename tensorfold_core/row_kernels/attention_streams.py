@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,10 +20,28 @@ from .attention import (CUDA_DROPPED_LAST_KEY, CUDA_WARPS_REVERSED_WHEN_MANY, LO
 from .attention import shape as single_stream_shape
 from .attention_sources import CUDA_STREAMS, METAL_STREAMS, STREAM_SLOTS
 from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
-from tensorfold_contract.kernel_text import build as build_kernel
+from tensorfold_contract.kernel_text import build as build_kernel, narrowed
 
-CACHES = tuple(f"k{s}" for s in range(STREAM_SLOTS)) + tuple(f"v{s}" for s in range(STREAM_SLOTS))
-NAMES = ("q", "kn", "vn", *CACHES, "rowmap", "scale", "dims")
+
+def names(slots: int) -> tuple[str, ...]:
+    """The inputs of a launch naming `slots` streams' caches."""
+    caches = (*(f"k{s}" for s in range(slots)), *(f"v{s}" for s in range(slots)))
+    return ("q", "kn", "vn", *caches, "rowmap", "scale", "dims")
+
+
+NAMES = names(STREAM_SLOTS)
+
+
+def slots_for(streams: int) -> int:
+    """Cache slots a launch of `streams` streams names: a power of two (few texts to build), since each input costs
+    MLX host time at every launch; all of them under TENSORFOLD_NARROW_INPUTS=0 (the text the slots narrow)."""
+    if os.environ.get("TENSORFOLD_NARROW_INPUTS") == "0":
+        return STREAM_SLOTS
+    return min(STREAM_SLOTS, 1 << (streams - 1).bit_length())
+
+
+def narrowed_text(body: str, slots: int) -> str:
+    return narrowed(body, ("const auto kc = ", "const auto vc = "), slots)
 LAYERS = 2  # layers of the contract's caches: the call reads the last, the first is NaN
 # splits a block runs side by side: two, as the single-stream kernel (1,024 threads of its registers pass what a
 # block may hold on sm_90)
@@ -76,11 +95,12 @@ def _source_streams_attention(kind: str, q, kn, vn, keys: Sequence, values: Sequ
     inputs, launch = _kernel_call(q, kn, vn, keys, values, streams, layer, scale, window)
     if q.shape[0] == 0:
         return mx.zeros((0, *q.shape[1:]), q.dtype)
-    kernel = _BUILT.get(kind)
+    slots = slots_for(len(keys))
+    kernel = _BUILT.get((kind, slots))
     if kernel is None:
-        body = CUDA_STREAMS if kind == "cuda" else METAL_STREAMS
+        body = narrowed_text(CUDA_STREAMS if kind == "cuda" else METAL_STREAMS, slots)
         name = f"tf_streams_attention_{hashlib.sha1(body.encode()).hexdigest()[:12]}"  # MLX caches kernels by name
-        kernel = _BUILT[kind] = build_kernel(kind, name, NAMES, ["out"], body)
+        kernel = _BUILT[(kind, slots)] = build_kernel(kind, name, names(slots), ["out"], body)
     (out,) = kernel(inputs=inputs, **launch)
     return out
 
@@ -91,7 +111,7 @@ def _kernel_call(q, kn, vn, keys: Sequence, values: Sequence, streams: Packed, l
     the checks, dims and launch are made once for each shape and layer (a forward calls this once a layer)."""
     dims, launch = _prepared(tuple(q.shape), tuple(kn.shape), tuple(tuple(k.shape) for k in keys), layer, window or 0,
                              str(q.dtype).removeprefix("mlx.core."))
-    pad = STREAM_SLOTS - len(keys)  # a slot no row names is never read
+    pad = slots_for(len(keys)) - len(keys)  # a slot no row names is never read
     return [q, kn, vn, *keys, *[keys[0]] * pad, *values, *[values[0]] * pad, streams.rowmap, _scale(scale),
             dims], launch
 
@@ -224,11 +244,19 @@ def _kernel_inputs(case) -> list:
     return _kernel_call(*_call(case))[0]
 
 
+def _narrow(source: Source, case) -> Source:
+    """The text a case's launch serves: as many cache slots as `slots_for` its streams."""
+    slots = slots_for(case.dims["streams"])
+    return dataclasses.replace(source, name=f"{source.name}{slots}", input_names=names(slots),
+                               body=narrowed_text(source.body, slots), narrow=None)
+
+
 def source(kind: str) -> Source:
+    """The text of every slot (a case launches its narrowed text: Source.at)."""
     return Source("streams_attention", NAMES, ("out",), CUDA_STREAMS if kind == "cuda" else METAL_STREAMS,
                   inputs=_kernel_inputs,
                   launch=lambda case: _geometry(case.rows, case.dims["heads"], case.dims["head_dim"], GROUPS,
-                                                mx_dtype(case.dims["dtype"])))
+                                                mx_dtype(case.dims["dtype"])), narrow=_narrow)
 
 
 CUDA_SLOT_IGNORED = swap("const int slot = rowmap[3 * row];", "const int slot = 0;")

@@ -7,26 +7,47 @@ of a 16-layer model), where this record's kernel makes both stacks in one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 from typing import Sequence
 
 import numpy as np
 
 from tensorfold_contract import Control, KernelRecord, Launch, Shape, Source, oversize_threadgroup, swap, variant
 from tensorfold_contract.helpers import groups, int_array, mx_dtype, rounded, row_scales
-from tensorfold_contract.kernel_text import build as build_kernel
+from tensorfold_contract.kernel_text import build as build_kernel, narrowed, select_chain
 
 THREADS = 256
 # MLX builds a custom kernel for a fixed list of input names: the sources take MAX_LAYERS named keys and values and
 # the call's count as a template constant; a model with more layers stacks them with MLX's ops
+# MAX_LAYERS; a launch names its layers rounded up to a multiple of SLOTS (each input costs MLX host time at every
+# launch; the rounding keeps the texts few, and every planted select valid)
 MAX_LAYERS = 32
-NAMES = (*(f"k{j}" for j in range(MAX_LAYERS)), *(f"v{j}" for j in range(MAX_LAYERS)), "dims")
+SLOTS = 8
+
+
+def names(layers: int) -> tuple[str, ...]:
+    return (*(f"k{j}" for j in range(layers)), *(f"v{j}" for j in range(layers)), "dims")
+
+
+NAMES = names(MAX_LAYERS)
 
 
 def _pick(prefix: str, pointer: str) -> str:
     """The layer's input by a chain of selects (MLX passes each input as its own pointer)."""
-    chain = " : ".join(f"l == {j} ? {prefix}{j}" for j in range(MAX_LAYERS - 1))
-    return f"{pointer} {prefix}l = {chain} : {prefix}{MAX_LAYERS - 1};\n"
+    return f"{pointer} {prefix}l = {select_chain('l', prefix, MAX_LAYERS)};\n"
+
+
+def slots_for(layers: int) -> int:
+    """Layers a launch of `layers` names: all MAX_LAYERS under TENSORFOLD_NARROW_INPUTS=0 (the text they narrow)."""
+    if os.environ.get("TENSORFOLD_NARROW_INPUTS") == "0":
+        return MAX_LAYERS
+    return min(MAX_LAYERS, -(-layers // SLOTS) * SLOTS)
+
+
+def narrowed_text(body: str, layers: int) -> str:
+    return narrowed(body, (" kl = ", " vl = "), slots_for(layers))
 
 
 # One thread copies VEC consecutive elements (16 bytes) of one layer's rows, keys and values alike: element i of row r
@@ -97,7 +118,7 @@ def values_as_keys(case):
 
 def _inputs(case):
     keys, values = _arrays(case, "k"), _arrays(case, "v")
-    pad = MAX_LAYERS - len(keys)  # a slot past the call's layers is never read
+    pad = slots_for(len(keys)) - len(keys)  # a slot past the call's layers is never read
     return [*keys, *keys[:1] * pad, *values, *values[:1] * pad,
             int_array([case.rows, case.dims["kv_heads"] * case.dims["head_dim"]])]
 
@@ -119,9 +140,17 @@ def _launch(case) -> Launch:
     return launch(case.rows, d["layers"], d["kv_heads"], d["head_dim"], mx_dtype(d["dtype"]))
 
 
+def _narrow(source: Source, case) -> Source:
+    """The text a case's launch serves: its layers' inputs alone."""
+    slots = slots_for(case.dims["layers"])
+    return dataclasses.replace(source, name=f"{source.name}{slots}", input_names=names(slots),
+                               body=narrowed_text(source.body, slots), narrow=None)
+
+
 def source(kind: str) -> Source:
+    """The text of MAX_LAYERS layers (a case launches its narrowed text: Source.at)."""
     return Source("stack_kv", NAMES, ("ks", "vs"), CUDA if kind == "cuda" else METAL, inputs=_inputs,
-                  launch=_launch)
+                  launch=_launch, narrow=_narrow)
 
 
 def served_stack(kind: str):
@@ -135,11 +164,13 @@ def served_stack(kind: str):
         if len(keys) > MAX_LAYERS or not rows:  # more layers than the kernel names; nothing to launch
             return stack_mlx(keys, values)
         plan = launch(rows, len(keys), kv, d, keys[0].dtype)
-        kernel = made.get("kernel")
+        slots = slots_for(len(keys))
+        kernel = made.get(("kernel", slots))
         if kernel is None:
-            kernel = made["kernel"] = build_kernel(kind, NAME[kind], NAMES, ["ks", "vs"],
-                                                   CUDA if kind == "cuda" else METAL)
-        pad = MAX_LAYERS - len(keys)
+            body = narrowed_text(CUDA if kind == "cuda" else METAL, slots)
+            name = f"tf_stack_kv_{hashlib.sha1(body.encode()).hexdigest()[:12]}"  # MLX caches kernels by name
+            kernel = made[("kernel", slots)] = build_kernel(kind, name, names(slots), ["ks", "vs"], body)
+        pad = slots - len(keys)
         dims = made.get(("dims", rows, kv * d))
         if dims is None:
             dims = made[("dims", rows, kv * d)] = mx.array([rows, kv * d], mx.int32)
@@ -151,9 +182,6 @@ def served_stack(kind: str):
     return stack
 
 
-# MLX caches kernels by name: the text's hash in it, so a changed text is built anew
-NAME = {kind: f"tf_stack_kv_{hashlib.sha1(text.encode()).hexdigest()[:12]}" for kind, text in (("cuda", CUDA),
-                                                                                             ("metal", METAL))}
 STACKS = {"mlx": stack_mlx, "cuda": served_stack("cuda"), "metal": served_stack("metal")}
 
 PICK_K = "l == 0 ? k0 : l == 1 ? k1"
