@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -84,7 +85,37 @@ def cells(chain: int) -> dict:
             out[name] = [round(t * 1e6, 2) for t in per_call(step, x, chain)]
         except RuntimeError as exc:  # one cell's failure costs that cell alone
             print(f"{name}: {exc}", file=sys.stderr)
+    out.update(attention_cells(chain))
     return out
+
+
+def attention_cells(chain: int) -> dict:
+    """The streams attention at one stream of the 1B (600 keys): its text naming one cache slot against all eight
+    (TENSORFOLD_NARROW_INPUTS=0), bit-equal first."""
+    from tensorfold_core.row_kernels.attention_streams import STREAMS_ATTENTION, packed
+
+    heads, kv_heads, head_dim, layers = 32, 8, 64, 16
+    cache = mx.random.normal((layers, kv_heads, 1024, head_dim), key=mx.random.key(3)).astype(mx.bfloat16)
+    kn = mx.random.normal((1, kv_heads, head_dim), key=mx.random.key(4)).astype(mx.bfloat16)
+    q = mx.random.normal((1, heads, head_dim), key=mx.random.key(5)).astype(mx.bfloat16)
+    streams = packed([(0, 1, 600)])
+
+    def step(y):
+        return STREAMS_ATTENTION["cuda"](y, kn, kn, [cache], [cache], streams, layers - 1, head_dim ** -0.5)
+
+    def under(narrow: str, fn):
+        os.environ["TENSORFOLD_NARROW_INPUTS"] = narrow
+        try:
+            return fn()
+        finally:
+            os.environ.pop("TENSORFOLD_NARROW_INPUTS")
+
+    modes = (("one slot", "1"), ("all 8 slots", "0"))
+    firsts = [under(narrow, lambda: step(q)) for _, narrow in modes]
+    if not mx.array_equal(*firsts).item():
+        raise SystemExit("streams attention: one slot and eight differ: nothing timed")
+    return {f"streams attention 1B, {label} (cuda)":
+            [round(t * 1e6, 2) for t in under(narrow, lambda: per_call(step, q, chain))] for label, narrow in modes}
 
 
 def main() -> int:
@@ -101,7 +132,8 @@ def main() -> int:
         print(f"{name:<40} {built:8.2f} {whole:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mlx": mx.__version__, "chain": args.chain, "us_per_call_built_and_in_all": results}, f, indent=1)
+            json.dump({"mlx": mx.__version__, "chain": args.chain, "us_per_call_built_and_in_all": results}, f,
+                      indent=1)
     return 0
 
 
