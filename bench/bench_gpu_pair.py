@@ -1,7 +1,7 @@
 """Plain and drafted greedy decode of a target + drafter pair per kernel table mode, in-process, ids checked first."""
 
 # python bench/bench_gpu_pair.py TARGET DRAFTER [--depth 4] [--tokens 128] [--modes builtin,records] [--json OUT]
-#                                [--streams 4,8] [--mlx-lm]
+#                                [--streams 4,8] [--mlx-lm] [--rounds 3]
 # Each mode runs in a child process with TENSORFOLD_KERNELS set (the table is read at load). In it, every prompt is
 # decoded once untimed (MLX compiles its kernels on first use), then plain (`"draft": false`) and drafted, timed; a
 # drafted reply must equal the plain one token for token (check_same_ids) before any rate is printed. Rates count
@@ -21,11 +21,16 @@
 # are not row-invariant (CUDA) its ids can still equal a `builtin` mode's (MLX's own ops; the first mode's where no
 # builtin mode ran), which they must, up to its eos, before its rate is printed beside each mode's plain rate, with
 # how many of each mode's ids agree with its (a row-invariant table's bf16 sums round apart from MLX's).
+# --rounds N runs every mode's child N times, the modes' order rotated each round (A B C, B C A, ...): rates drift
+# 10-25% from one child to the next within a GPU call, so a few percent needs the median of interleaved runs. Each
+# rate printed is then its median over the rounds, every round's ids checked, and each mode's plain rate per round
+# is printed too.
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -190,6 +195,24 @@ def agreeing(ours: list[int], theirs: list[int]) -> int:
     return len(theirs) if at is None else at
 
 
+RATES = ("plain_tok_s", "drafted_tok_s", "served_tok_s", "drafted_round_ms", "drafter_ms")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """A mode's first run, its rates replaced by their medians over every run (prompt by prompt, cell by cell)."""
+    out = json.loads(json.dumps(runs[0]))
+    for i, p in enumerate(out["prompts"]):
+        for key in RATES:
+            if key in p:
+                p[key] = statistics.median(r["prompts"][i][key] for r in runs)
+    for j, cell in enumerate(out.get("streams", [])):
+        for key in ("plain_tok_s", "drafted_tok_s", "served_tok_s"):
+            cell[key] = statistics.median(r["streams"][j][key] for r in runs)
+    for i, p in enumerate(out.get("peer_prompts", [])):
+        p["plain_tok_s"] = statistics.median(r["peer_prompts"][i]["plain_tok_s"] for r in runs)
+    return out
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -205,6 +228,7 @@ def main() -> int:
     parser.add_argument("--streams", default="", help="cells of N replies at once, e.g. 4,8")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--mlx-lm", action="store_true", help="mlx-lm generate on the target too (ids checked)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the modes N times, interleaved; medians")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -217,13 +241,29 @@ def main() -> int:
         # another table sums in its own order, so its ids may part from mlx-lm's on any backend but the CPU
         raise SystemExit("--mlx-lm checks mlx-lm's ids against the builtin mode's (MLX's own ops): add builtin to "
                          f"--modes (got {args.modes})")
-    results = [kernel_mode_child(__file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens",
-                                 str(args.tokens), "--prompts", str(args.prompts), "--streams",
-                                 ",".join(map(str, args.streams)), *(["--mlx-lm"] if args.mlx_lm else []))
-               for mode in args.modes.split(",")]
+    modes = args.modes.split(",")
+    if len(set(modes)) != len(modes):
+        raise SystemExit(f"--modes names a mode twice ({args.modes}): use --rounds to run each more than once")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for n in range(args.rounds):
+        for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
+            runs[mode].append(kernel_mode_child(
+                __file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens", str(args.tokens),
+                "--prompts", str(args.prompts), "--streams", ",".join(map(str, args.streams)),
+                *(["--mlx-lm"] if args.mlx_lm else [])))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(runs, f, indent=1)
+    for mode in modes:  # every round's ids equal its first's: a mode's tokens never depend on when it ran
+        for n, r in enumerate(runs[mode][1:], 1):
+            for i, (p, q) in enumerate(zip(runs[mode][0]["prompts"], r["prompts"])):
+                check_same_ids(f"{mode}: round {n + 1} vs round 1, prompt {i}", p["plain_ids"], q["plain_ids"])
+    results = [median_run(runs[mode]) for mode in modes]
+    if args.rounds > 1:
+        print("plain tok/s a round (prompts' mean), in the order each mode ran:")
+        for mode in modes:
+            rates = [mean([p["plain_tok_s"] for p in r["prompts"]]) for r in runs[mode]]
+            print(f"  {mode}: " + " ".join(f"{rate:.1f}" for rate in rates))
     for r in results:  # ids first: a drafted reply off its plain one fails the run before any rate is read
         for i, p in enumerate(r["prompts"]):
             check_same_ids(f"{r['mode']}: drafted vs plain, prompt {i}", p["plain_ids"], p["drafted_ids"])

@@ -197,3 +197,19 @@ def test_the_gpu_pair_bench_refuses_mlx_lm_without_the_builtin_mode_its_ids_are_
     done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-llama", "tiny-llama-drafter", "--modes",
                            "table,table:per-stream", "--mlx-lm"], capture_output=True, text=True, cwd=BENCH, timeout=120)
     assert done.returncode != 0 and "add builtin to --modes" in done.stderr
+
+
+def test_the_gpu_pair_bench_runs_its_modes_in_rotated_rounds_and_prints_each_round_s_plain_rate():
+    done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-llama", "tiny-llama-drafter", "--modes",
+                           "builtin,table", "--tokens", "4", "--prompts", "1", "--rounds", "2"],
+                          capture_output=True, text=True, cwd=BENCH, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    per_round = {line.split(":")[0].strip(): line.split(":")[1].split() for line in done.stdout.splitlines()
+                 if line.startswith("  ") and ":" in line}
+    assert set(per_round) == {"builtin", "table"} and all(len(rates) == 2 for rates in per_round.values())
+
+
+def test_the_gpu_pair_bench_refuses_a_mode_named_twice():
+    done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-llama", "tiny-llama-drafter", "--modes",
+                           "table,table"], capture_output=True, text=True, cwd=BENCH, timeout=120)
+    assert done.returncode != 0 and "use --rounds" in done.stderr

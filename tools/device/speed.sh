@@ -5,7 +5,8 @@
 #   pair      the inflated 1B pair (built there), plain and drafted decode per kernel table mode (ids checked first):
 #             PAIR_MODES (default builtin,table; e.g. table-attention leaves attention to MLX, to attribute time);
 #             PAIR_STREAMS=4,8 adds cells of that many replies at once, plain, drafted and served; PAIR_ARGS passes
-#             more flags on (e.g. --mlx-lm: mlx-lm generate on the target too, its wheel carried in .whl/)
+#             more flags on (e.g. --mlx-lm: mlx-lm generate on the target too, its wheel carried in .whl/;
+#             --rounds 3: every mode run three times, interleaved, rates the medians)
 #   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
 #             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
 #             builtin,table,table-attention; bench/bench_token_time.py)
