@@ -38,8 +38,8 @@ def select_chain(var: str, prefix: str, count: int) -> str:
 
 
 def narrowed(body: str, targets: tuple[str, ...], count: int) -> str:
-    """`body` with each select chain assigned to a target (`kc = `, say) cut to its first `count` inputs: entries kept as
-    they are, so a control planted in them stays planted."""
+    """`body` with each select chain assigned to a target (`kc = `, say) cut to its first `count` inputs, its entries
+    kept as they are, so a control planted in them stays planted."""
     for target in targets:
         if body.count(target) != 1:
             raise ValueError(f"the body assigns {target!r} {body.count(target)} times, expected once")

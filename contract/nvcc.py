@@ -61,7 +61,8 @@ def generated(source: Source, name: str, inputs: list, launch) -> str:
             consts.append(f"  constexpr int {key} = {value};")
         else:
             consts.append(f"  using {key} = {ctype(value)};")
-    return (MLX_HEADER + served_text(source.header) + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return (MLX_HEADER + served_text(source.header)
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n\n"
             + body + "\n}\n\n} // namespace mlx::core::cu\n")
 
