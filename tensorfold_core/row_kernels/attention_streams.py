@@ -42,6 +42,8 @@ def slots_for(streams: int) -> int:
 
 def narrowed_text(body: str, slots: int) -> str:
     return narrowed(body, ("const auto kc = ", "const auto vc = "), slots)
+
+
 LAYERS = 2  # layers of the contract's caches: the call reads the last, the first is NaN
 # splits a block runs side by side: two, as the single-stream kernel (1,024 threads of its registers pass what a
 # block may hold on sm_90)

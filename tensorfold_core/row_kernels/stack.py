@@ -20,9 +20,9 @@ from tensorfold_contract.kernel_text import build as build_kernel, narrowed, sel
 
 THREADS = 256
 # MLX builds a custom kernel for a fixed list of input names: the sources take MAX_LAYERS named keys and values and
-# the call's count as a template constant; a model with more layers stacks them with MLX's ops
-# MAX_LAYERS; a launch names its layers rounded up to a multiple of SLOTS (each input costs MLX host time at every
-# launch; the rounding keeps the texts few, and every planted select valid)
+# the call's count as a template constant; a model with more layers stacks them with MLX's ops. A launch names its
+# layers rounded up to a multiple of SLOTS (each input costs MLX host time at every launch; the rounding keeps the
+# texts few, and every planted select valid)
 MAX_LAYERS = 32
 SLOTS = 8
 
@@ -46,8 +46,8 @@ def slots_for(layers: int) -> int:
     return min(MAX_LAYERS, -(-layers // SLOTS) * SLOTS)
 
 
-def narrowed_text(body: str, layers: int) -> str:
-    return narrowed(body, (" kl = ", " vl = "), slots_for(layers))
+def narrowed_text(body: str, slots: int) -> str:
+    return narrowed(body, (" kl = ", " vl = "), slots)
 
 
 # One thread copies VEC consecutive elements (16 bytes) of one layer's rows, keys and values alike: element i of row r
