@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
@@ -124,6 +124,27 @@ class KeptModelState(Protocol):
         """The most tokens, at most `limit`, a restore of this state can start from (0: none)."""
 
 
+class HeldDrafts:
+    """A hold's drafts kept on the device (`DrafterFacts.held_on_target`): `ids` ([depth], lazy) join the verify's
+    window there, and `read()` gives them on the host once the verify's logits are read (no wait of its own)."""
+
+    def __init__(self, ids: mx.array, read: Callable[[], list[int]]):
+        self.ids, self._read = ids, read
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, cut: slice) -> "HeldDrafts":
+        """The first drafts (a grant's cut), still on the device."""
+        if not isinstance(cut, slice) or cut.start not in (None, 0) or cut.step not in (None, 1):
+            raise TypeError("held drafts are cut from the first: drafts[:n]")
+        n = len(range(*cut.indices(len(self))))
+        return self if n == len(self) else HeldDrafts(self.ids[:n], lambda: self._read()[:n])
+
+    def read(self) -> list[int]:
+        return self._read()
+
+
 MAX_DRAFT_DEPTH = 15  # the most drafts a window carries: 16 verify rows, the widest window the kernels serve
 
 
@@ -161,6 +182,9 @@ class DrafterFacts:
     # a `ContextKeepingDrafter`: a kept prompt state holds the stream's drafter context too, so a drafting stream that
     # resumes it drafts as the fresh stream would (seed 003: "the drafter keeps its context with each kept prompt state")
     kept_context: bool = False
+    # its `propose` gives `HeldDrafts`: the hold is launched, not waited on, and a verify window reads its drafts on
+    # the device; a stream with a grammar reads them back first (seed 002: `held_on_target`)
+    held_on_target: bool = False
 
 
 DEPTH_RULE = DrafterFacts()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 from typing import cast
 
-from ..protocols import DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HoldPricedDrafter, Model
+from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
+                         HoldPricedDrafter, Model)
 from .ahead import Lookahead
 from .copy import RECALL, CopyProposer
 from .grants import Held
@@ -192,9 +194,12 @@ class Engine:
             self.planner.caught_up()
             proposals = self.drafter.propose(asks)
             for (turn, depth), drafts in zip(drafting, proposals):
-                turn.drafts, turn.source = list(drafts)[:depth], self.drafter.name
+                turn.drafts = drafts[:depth] if isinstance(drafts, HeldDrafts) else list(drafts)[:depth]
+                turn.source = self.drafter.name
         self.planner.proposed()
         for turn, room in zip(self._asked, rooms):
+            if isinstance(turn.drafts, HeldDrafts) and turn.stream.stage.constraint is not None:
+                turn.drafts = turn.drafts.read()  # a grammar cuts drafts on the host
             legal = turn.stream.stage.legal(turn.drafts)
             self.counters.cut_by_grammar += len(turn.drafts) - len(legal)
             forced = turn.stream.stage.forced(room)
@@ -205,7 +210,9 @@ class Engine:
         for turn, room in zip(self._asked, rooms):
             if room > 0:  # a window that could draft: did the planner and its guards let it?
                 self.counters.verdicts["drafted" if turn.drafts else "plain"] += 1
-            turn.window = turn.window + turn.drafts
+            # a held window's draft rows are read on the device (`_forward`): their ids here are placeholders
+            turn.window = turn.window + ([0] * len(turn.drafts) if isinstance(turn.drafts, HeldDrafts)
+                                         else turn.drafts)
 
     def _grant(self, drafter: ChanceDrafter) -> None:
         """The scheduled verify: each window keeps the drafts of its hold that the planner grants by their chances."""
@@ -240,8 +247,7 @@ class Engine:
         try:
             logits = self.ahead.take(group)
             if logits is None:
-                logits = self.model.forward([t.stream.cache for t in group], [t.window for t in group],
-                                            [1 + len(t.drafts) if t.draws else 0 for t in group])
+                logits = self._forward(group)
             # streams that will likely draft next round do not run ahead: a step their drafts replace is wasted
             if ahead and self.ahead.eligible(group):
                 if not any(self._drafts_next(t.stream, len(group) > 1) for t in group):
@@ -262,6 +268,8 @@ class Engine:
                 self.model.keep(stream.cache, len(turn.window))
                 continue
             n = 1 + len(turn.drafts)
+            if isinstance(turn.drafts, HeldDrafts):  # read with the logits: evaluated by now, so no wait
+                turn.drafts = turn.drafts.read()
             draws, logprobs = stream.stage.verify(rows[row:row + n], turn.drafts, stream.request.sampling,
                                                   stream.seed, len(stream.tokens))
             row += n
@@ -281,6 +289,21 @@ class Engine:
         if tokens is not None:
             self.ahead.confirm(firsts, tokens)
         return verified
+
+    def _forward(self, group: list[Turn]) -> mx.array:
+        """The group's forward; held drafts join their windows' host ids on the device, so the hold that made them
+        is not waited on first."""
+        caches, rows = [t.stream.cache for t in group], [1 + len(t.drafts) if t.draws else 0 for t in group]
+        if not any(isinstance(t.drafts, HeldDrafts) for t in group):
+            return self.model.forward(caches, [t.window for t in group], rows)
+        parts = []
+        for t in group:
+            held = t.drafts if isinstance(t.drafts, HeldDrafts) else None
+            host = t.window[:len(t.window) - len(held)] if held is not None else t.window
+            parts.append(mx.array(host, dtype=mx.uint32))
+            if held is not None:
+                parts.append(held.ids.astype(mx.uint32))
+        return self.model.forward_ids(caches, mx.concatenate(parts), [len(t.window) for t in group], rows)
 
     def _count(self, turn: Turn, accepted: int) -> None:
         sid = turn.stream.id

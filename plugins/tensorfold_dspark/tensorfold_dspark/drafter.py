@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 import traceback
 from typing import Sequence, cast
@@ -14,7 +15,8 @@ from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
-from tensorfold_core.protocols import DEPTH_RULE, Cache, DraftAsk, DrafterFacts, Model as TargetModel, TappedModel
+from tensorfold_core.protocols import (DEPTH_RULE, Cache, DraftAsk, DrafterFacts, HeldDrafts, Model as TargetModel,
+                                       TappedModel)
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
 
@@ -30,6 +32,8 @@ SLACK = 1  # drafts a hold adds past a full grant, and a probe's hold after a gr
 # every layer's k/v as 8-bit matmuls: a 1,800-token prompt took 0.8 s on the fast CPU configuration, 50 plain rounds)
 HOLD_CATCH_UP = 256
 TIMING_REPEATS = 3  # each warm-up hold pass is timed this many times and its best kept (a preempted one reads long)
+# TENSORFOLD_HELD_ON_TARGET=1: holds launched and not waited on, their drafts read by the verify on the device
+HELD_ENV = "TENSORFOLD_HELD_ON_TARGET"
 
 
 # ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----
@@ -97,10 +101,12 @@ class DSparkDrafter:
         self.facts = (DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS, hold_costs=True,
                                    shared_guard=True, lone_guard=True, catch_up=HOLD_CATCH_UP, kept_context=True)
                       if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
+        if os.environ.get(HELD_ENV) == "1":  # drafts kept on the device for the verify (off until timed on a GPU)
+            self.facts = dataclasses.replace(self.facts, held_on_target=True)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
-        self.stats = dict(holds=0, absorbed=0, lane_reuses=0, lane_resumes=0)
+        self.stats = dict(holds=0, held=0, absorbed=0, lane_reuses=0, lane_resumes=0)
 
     # -- what the ledger reads: a lane is sized at admission and never grows while its stream decodes --
 
@@ -193,20 +199,28 @@ class DSparkDrafter:
         return self.holds.ms(blocks, depth)
 
     def chances(self, stream_id: int) -> list[float] | None:
-        """The running products of the confidences of the drafts the last hold gave the stream (a hold here settles
-        before `propose` returns, its drafts read back, so these are never pending); None where it held none."""
+        """The running products of the confidences of the drafts the last settled hold gave the stream (a hold
+        settles before `propose` returns, or, held on the device, when the verify reads its drafts: until then the
+        last settled ones price it); None where it held none."""
         return self._chances.get(stream_id)
 
-    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
-        """Each ask's block drafts: its lane absorbs the rows verified since its last hold, in the hold's graph."""
-        drafts: list[list[int]] = [[] for _ in asks]
-        for ask in asks:  # a stream asked but not held this time has no chances to report
-            self._chances.pop(ask.stream_id, None)
+    def propose(self, asks: Sequence[DraftAsk]) -> list:
+        """Each ask's block drafts: its lane absorbs the rows verified since its last hold, in the hold's graph
+        (`HeldDrafts` on the device where the facts say held_on_target)."""
+        return self._propose(asks, held=self.facts.held_on_target)
+
+    def _propose(self, asks: Sequence[DraftAsk], held: bool) -> list:
+        drafts: list = [[] for _ in asks]
+        if not held:
+            for ask in asks:  # a stream asked but not held this time has no chances to report
+                self._chances.pop(ask.stream_id, None)
         work = self._sync(asks)
         if not work:
             return drafts
         work.sort(key=lambda w: -w[2])  # deepest first: each Markov step's streams are a prefix of the last's
         lanes = [lane for _, lane, _, _ in work]
+        if held:
+            return self._propose_held(asks, work, lanes, drafts)
         start = time.perf_counter()
         try:
             self._absorb([(lane, bound) for _, lane, _, bound in work])
@@ -273,9 +287,52 @@ class DSparkDrafter:
         self.stats["absorbed"] += at
         return at
 
+    def _propose_held(self, asks: Sequence[DraftAsk], work: list, lanes: list[Lane], drafts: list) -> list:
+        """The hold launched and not waited on: each stream's drafts stay on the device (`HeldDrafts`) until its
+        verify has read its logits. Until then its chances are its last settled hold's (seed 002), its NaN flags and
+        eos cut nothing (such drafts are verified and rejected), and the hold is not timed (the host's clock would
+        hold the verify's forward too): its price stays the one timed at warm-up."""
+        try:
+            self._absorb([(lane, bound) for _, lane, _, bound in work])
+            steps, flags, chances = self._hold_graph([asks[i].tokens for i, _, _, _ in work], lanes,
+                                                     [w[2] for w in work])
+            mx.async_eval(steps, flags, chances, [a for lane in lanes for a in lane.keys + lane.values])
+        except Exception:
+            self._drop(lanes)
+            raise
+        self.stats["holds"] += 1
+        self.stats["held"] += 1
+        settled: list = []
+
+        def settle() -> list[list[int]]:
+            """The hold's picks on the host, read once; its chances become the streams' settled ones."""
+            if not settled:
+                settled.append([s.tolist() for s in steps])
+                values = [c.tolist() for c in chances]
+                for j, (i, _, depth, _) in enumerate(work):
+                    running, out = 1.0, []
+                    for s in range(depth if values else 0):
+                        running *= values[s][j]
+                        out.append(running)
+                    if out:
+                        self._chances[asks[i].stream_id] = out
+            return settled[0]
+
+        for j, (i, _, depth, _) in enumerate(work):
+            ids = mx.concatenate([steps[s][j:j + 1] for s in range(depth)])
+            drafts[i] = HeldDrafts(ids, lambda j=j, depth=depth: [settle()[s][j] for s in range(depth)])
+        return drafts
+
     def _hold(self, contexts: list[Sequence[int]], lanes: list[Lane], depths: list[int]):
+        """The hold's graph, then one eval for the whole hold, the lanes' absorbed rows included: its picks, NaN
+        flags and confidences on the host."""
+        steps, flags, chances = self._hold_graph(contexts, lanes, depths)
+        mx.eval(steps, flags, chances, [a for lane in lanes for a in lane.keys + lane.values])
+        return [s.tolist() for s in steps], [f.tolist() for f in flags], [c.tolist() for c in chances]
+
+    def _hold_graph(self, contexts: list[Sequence[int]], lanes: list[Lane], depths: list[int]):
         """One pass over every block, the target's head, then the Markov head row after row (ties to the lowest
-        id); one eval for the whole hold, the lanes' absorbed rows included."""
+        id), lazily: each step's picks, NaN flags and confidences."""
         ids, blocks, row = [], [], 0
         for context, lane, depth in zip(contexts, lanes, depths):
             ids += [context[-1]] + [self.mask_id] * (depth - 1)
@@ -296,8 +353,7 @@ class DSparkDrafter:
                 chances.append(chance)
             steps.append(token)
             previous = token.astype(mx.uint32)
-        mx.eval(steps, flags, chances, [a for lane in lanes for a in lane.keys + lane.values])
-        return [s.tolist() for s in steps], [f.tolist() for f in flags], [c.tolist() for c in chances]
+        return steps, flags, chances
 
     def _drop(self, lanes: list[Lane]) -> None:
         """Lanes whose arrays hold a graph that failed: their streams start afresh at the next ask."""
@@ -340,7 +396,7 @@ class DSparkDrafter:
         try:
             self.target.forward([cache], [[0, 0]], [0])
             self.target.keep(cache, 2)
-            self.propose([DraftAsk(WARM_UP_ID, [0, 0, 0], 2, limit=8, cache=cache)])
+            self._propose([DraftAsk(WARM_UP_ID, [0, 0, 0], 2, limit=8, cache=cache)], held=False)
         finally:
             self.lanes.pop(WARM_UP_ID, None)
             self._chances.pop(WARM_UP_ID, None)
@@ -357,7 +413,7 @@ class DSparkDrafter:
                     asks = [DraftAsk(i, [0, 0], depth, limit=GROW_STEP) for i in ids[:blocks]]
                     times = []
                     for _ in range(repeats):
-                        self.propose(asks)
+                        self._propose(asks, held=False)
                         times.append(self.last_hold[2])
                     timed.time(blocks, depth, min(times))
         finally:

@@ -1,0 +1,96 @@
+"""held_on_target: a hold launched and not waited on, its drafts read by the verify's window on the device and by the
+host only with the verify's logits; replies equal to plain decoding, a grammar's stream given host drafts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import llguidance
+import pytest
+
+from tensorfold_core.lanes.constraints import Grammar
+from tensorfold_core.lanes.types import GenerationRequest
+from tensorfold_core.loading import load_target, start_drafter
+from tensorfold_core.options import ServeOptions
+from tensorfold_core.protocols import DraftAsk, HeldDrafts
+from tensorfold_core.testing import serial
+from tensorfold_dspark.drafter import HELD_ENV
+
+from test_dspark_pricing import NAME, TARGET, drive, requests
+
+
+@pytest.fixture(scope="module")
+def held_pair():
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(HELD_ENV, "1")
+        target = load_target(TARGET, ServeOptions(dtype="float32"))
+        drafter = start_drafter(NAME, target.model, target.tokenizer)
+    yield target, drafter
+    drafter.close()
+
+
+@pytest.fixture(scope="module")
+def plain(held_pair):
+    target, _ = held_pair
+    return {seeded: drive(target.model, None, [serial(r) for r in requests(target, seeded)], 8, timed=False)
+            for seeded in (False, True)}
+
+
+def test_the_knob_switches_the_facts_on_and_a_hold_gives_drafts_that_stay_on_the_device(held_pair):
+    target, drafter = held_pair
+    assert drafter.facts.held_on_target and drafter.holds.points()  # the warm-up still timed its holds, waited
+    cache = target.model.new_cache(64)
+    prompt = target.tokenizer.encode("def fib(n):\n    return")
+    target.model.forward([cache], [prompt], [0])
+    target.model.keep(cache, len(prompt))
+    (drafts,) = drafter.propose([DraftAsk(90, prompt + [prompt[-1]], 4, limit=64, cache=cache)])
+    try:
+        assert isinstance(drafts, HeldDrafts) and len(drafts) == 4 and len(drafts[:2]) == 2
+        host = drafts.read()
+        assert len(host) == 4 and host[:2] == drafts[:2].read() and drafts.ids.tolist() == host
+        assert drafter.chances(90) is not None and len(drafter.chances(90)) == 4  # settled by the read
+    finally:
+        drafter.release(90)
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_replies_with_held_drafts_equal_plain_decoding(held_pair, plain, parallel, seeded):
+    target, drafter = held_pair
+    before = drafter.stats["held"]
+    # an untimed engine: its holds do not hang on the guards' clocks, so every run holds
+    assert drive(target.model, drafter, requests(target, seeded), parallel, timed=False) == plain[seeded]
+    assert drafter.stats["held"] > before  # the holds ran held, not read back before their verify
+
+
+def test_a_stream_with_a_grammar_reads_its_held_drafts_back_and_its_reply_equals_plain(held_pair):
+    target, drafter = held_pair
+    guidance = llguidance.LLTokenizer(target.tokenizer.backend.to_str(), eos_token=sorted(target.tokenizer.eos_ids))
+    grammar = Grammar(llguidance.LLMatcher.grammar_from_regex("[0-9a-z_ ]{8,40}"), guidance)
+    request = GenerationRequest(prompt_ids=target.tokenizer.encode("def fib(n):\n    # "), max_tokens=24,
+                                grammar=grammar)
+    before = drafter.stats["held"]
+    reply = drive(target.model, drafter, [request], 1, timed=False)[0]
+    assert drafter.stats["held"] > before
+    assert reply == drive(target.model, None, [serial(request)], 1, timed=False)[0]
+
+
+def test_with_the_facts_off_a_hold_is_waited_on_and_its_drafts_come_back_as_host_ids(held_pair):
+    target, drafter = held_pair
+    cache = target.model.new_cache(64)
+    prompt = target.tokenizer.encode("import os\nimport")
+    target.model.forward([cache], [prompt], [0])
+    target.model.keep(cache, len(prompt))
+    saved, drafter.facts = drafter.facts, dataclasses.replace(drafter.facts, held_on_target=False)
+    try:
+        (drafts,) = drafter.propose([DraftAsk(91, prompt + [prompt[-1]], 3, limit=64, cache=cache)])
+        assert isinstance(drafts, list) and all(isinstance(t, int) for t in drafts)
+    finally:
+        drafter.facts = saved
+        drafter.release(91)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_replies_with_held_drafts_on_a_timed_engine_equal_plain_decoding(held_pair, plain, seeded):
+    target, drafter = held_pair
+    assert drive(target.model, drafter, requests(target, seeded), 4) == plain[seeded]
