@@ -16,7 +16,7 @@ from tensorfold_core.protocols import DraftAsk, HeldDrafts
 from tensorfold_core.testing import serial
 from tensorfold_dspark.drafter import HELD_ENV
 
-from test_dspark_pricing import NAME, TARGET, drive, requests
+from test_dspark_pricing import NAME, TARGET, drive, plain_replies, requests
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,7 @@ def held_pair():
 
 @pytest.fixture(scope="module")
 def plain(held_pair):
-    target, _ = held_pair
-    return {seeded: drive(target.model, None, [serial(r) for r in requests(target, seeded)], 8, timed=False)
-            for seeded in (False, True)}
+    return plain_replies(held_pair[0])
 
 
 def test_the_knob_switches_the_facts_on_and_a_hold_gives_drafts_that_stay_on_the_device(held_pair):

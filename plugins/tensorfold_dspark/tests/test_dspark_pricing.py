@@ -53,11 +53,15 @@ def drive(model, drafter, reqs, parallel, *, timed=True, each_round=None):
     return [run.tokens(sid) for sid in range(len(reqs))]
 
 
-@pytest.fixture(scope="module")
-def plain(pair):
-    target, _ = pair
+def plain_replies(target) -> dict:
+    """Each prompt decoded alone and plain, greedy (False) and seeded (True): what every drafted run must equal."""
     return {seeded: drive(target.model, None, [serial(r) for r in requests(target, seeded)], 8, timed=False)
             for seeded in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return plain_replies(pair[0])
 
 
 def test_the_drafter_times_hold_passes_of_1_to_16_blocks_after_warm_up_and_its_facts_price_them(pair):
