@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -13,12 +14,20 @@ def served_text(text: str) -> str:
     """`text` with its // comments, indentation and blank lines dropped; lines kept, for the preprocessor."""
     if os.environ.get("TENSORFOLD_KERNEL_COMMENTS") == "1":
         return text
+    return _stripped(text)
+
+
+@functools.lru_cache(maxsize=512)
+def _stripped(text: str) -> str:
+    """Cached: the contract names and builds a kernel from its text at every launch of a case."""
     lines = (_code(line).strip() for line in text.splitlines())
     return "".join(line + "\n" for line in lines if line)
 
 
 def _code(line: str) -> str:
     """The line up to a // that opens a comment (one inside a string literal, as in inline asm, does not)."""
+    if '"' not in line:
+        return line.split("//", 1)[0]
     quoted, i = False, 0
     while i < len(line):
         if quoted and line[i] == "\\":
