@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from common import (CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, first_difference, kernel_mode_child,
                     model_dir)
@@ -251,9 +252,9 @@ def main() -> int:
                 __file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens", str(args.tokens),
                 "--prompts", str(args.prompts), "--streams", ",".join(map(str, args.streams)),
                 *(["--mlx-lm"] if args.mlx_lm else [])))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
+    if args.json:  # before any check: a run that took minutes keeps its raw results even when a check fails
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(runs, indent=1))
     for mode in modes:  # every round's ids equal its first's: a mode's tokens never depend on when it ran
         for n, r in enumerate(runs[mode][1:], 1):
             for i, (p, q) in enumerate(zip(runs[mode][0]["prompts"], r["prompts"])):
