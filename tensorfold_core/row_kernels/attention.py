@@ -112,8 +112,8 @@ def _geometry(rows: int, heads: int, dim: int, groups: int = GROUPS, out=None) -
     return Launch(grid=(heads * threads if rows else 0, rows, 1), threadgroup=(threads, 1, 1),
                   output_shapes=((rows, heads, dim),), output_dtypes=(out or mx.float32,),
                   template=(("D", dim), ("SPLIT", SPLIT), ("GROUPS", groups)),
-                  # wmax, wsum, ew, part, smax, ssum and sval, each one a group
-                  static_shared=4 * groups * (2 * (SPLIT // 32) + 2 * SPLIT + 2 + dim))
+                  # wmax, wsum, ew, part, smax, ssum and sval, each one a group, and the scaled query row
+                  static_shared=4 * (groups * (2 * (SPLIT // 32) + 2 * SPLIT + 2 + dim) + dim))
 
 
 def _kernel_inputs(q, k, v, offset: int, scale: float, window: int | None) -> list:

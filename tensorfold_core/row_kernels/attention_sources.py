@@ -42,42 +42,26 @@ __shared__ float part[GROUPS][SPLIT];
 __shared__ float smax[GROUPS];
 __shared__ float ssum[GROUPS];
 __shared__ float sval[GROUPS][D];
-float qr[D / 32];
-#pragma unroll
-for (int c = 0; c < D / 32; ++c) qr[c] = static_cast<float>(q[((size_t)row * H + head) * D + lane + 32 * c]) * scale[0];
+__shared__ float qs[D];
+for (int c = tid; c < D; c += GROUPS * SPLIT) qs[c] = static_cast<float>(q[((size_t)row * H + head) * D + c]) * scale[0];
+__syncthreads();
 const size_t kv0 = (size_t)kvh * C;
 const int last = p / SPLIT;
 float M = NEG_INF, L = 0.0f, O = 0.0f;
 for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   // a group past the last split holds no key of the row: it loads nothing, and its result is never folded
   const int base = (first + g) * SPLIT;
-  // scores: warp w takes keys w*32 .. w*32+31 and its lanes split d; all the loads go out before the 32 fixed xor
-  // trees; lane i keeps key i's score, -inf outside lo..p. A key outside lo..p adds 0 and loads key min(max(j, lo), p)
-  // instead (the cache may end at p): every load is in bounds and unconditional, so none waits on another's use; a
-  // warp with no key of the row loads nothing
-  float dots[32];
+  // scores: thread t owns key base + t and sums its dot product over d = 0..D-1 in order, q read from shared memory
+  // (no cross-lane sums: a short loop, so the kernel's code stays small); a key outside lo..p loads key
+  // min(max(j, lo), p) instead and is masked below (the cache may end at p); a warp with no key of the row loads nothing
   const int wbase = base + warp * 32;
   const bool keyed = wbase <= p && wbase + 31 >= lo;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int j = wbase + i;
-    const auto krow = k + (kv0 + min(max(j, lo), p)) * D;
-    const bool in = j >= lo && j <= p;
-    float dot = 0.0f;
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) {
-      const float kj = keyed ? static_cast<float>(krow[lane + 32 * c]) : 0.0f;
-      dot = fmaf(qr[c], in ? kj : 0.0f, dot);
-    }
-    dots[i] = dot;
-  }
-  float sc = NEG_INF;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    float dot = dots[i];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (lane == i) sc = dot;
+  const int j = base + t;
+  const auto krow = k + (kv0 + min(max(j, lo), p)) * D;
+  float sc = 0.0f;
+  if (keyed) {
+#pragma unroll 16
+    for (int c = 0; c < D; ++c) sc = fmaf(qs[c], static_cast<float>(krow[c]), sc);
   }
   if (base + t < lo || base + t > p) sc = NEG_INF;
   float m = sc;
@@ -140,7 +124,7 @@ if (tid < D) out[((size_t)row * H + head) * D + tid] = O / L;
 METAL = """
 // One threadgroup per (row, head), the algorithm of the CUDA source step for step: GROUPS groups of SPLIT threads,
 // thread t of a group owning key t of its split; the fixed splits [s*SPLIT, (s+1)*SPLIT) that hold the row's keys
-// taken GROUPS at a time; scores by simdgroup with a fixed xor tree; split max, sum of exp and weighted value sum in
+// taken GROUPS at a time; each key's score summed by its own thread over d in order; split max, sum of exp and weighted value sum in
 // fp32, staged, then folded in split order into (M, L, O). Loop bounds and fold orders depend on p alone.
 constexpr int WARPS = SPLIT / 32;
 constexpr int PARTS = SPLIT / D;
@@ -165,36 +149,25 @@ threadgroup float part[GROUPS][SPLIT];
 threadgroup float smax[GROUPS];
 threadgroup float ssum[GROUPS];
 threadgroup float sval[GROUPS][D];
+threadgroup float qs[D];
 if (row >= rows || head >= H) return;
 const int kvh = head / (H / KV);
 const int p = offset + row;
 const int lo = window > 0 ? metal::max(0, p - window + 1) : 0;
-float qr[D / 32];
-for (int c = 0; c < D / 32; ++c) qr[c] = static_cast<float>(q[((size_t)row * H + head) * D + lane + 32 * c]) * scale[0];
+for (int c = tid; c < D; c += GROUPS * SPLIT) qs[c] = static_cast<float>(q[((size_t)row * H + head) * D + c]) * scale[0];
+threadgroup_barrier(mem_flags::mem_threadgroup);
 const size_t kv0 = (size_t)kvh * C;
 const int last = p / SPLIT;
 float M = -INFINITY, L = 0.0f, O = 0.0f;
 for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   const int base = (first + g) * SPLIT;
-  float dots[32];
   const int wbase = base + warp * 32;
   const bool keyed = wbase <= p && wbase + 31 >= lo;
-  for (int i = 0; i < 32; ++i) {
-    const int j = wbase + i;
-    const auto krow = k + (kv0 + metal::min(metal::max(j, lo), p)) * D;
-    const bool in = j >= lo && j <= p;
-    float dot = 0.0f;
-    for (int c = 0; c < D / 32; ++c) {
-      const float kj = keyed ? static_cast<float>(krow[lane + 32 * c]) : 0.0f;
-      dot = metal::fma(qr[c], in ? kj : 0.0f, dot);
-    }
-    dots[i] = dot;
-  }
-  float sc = -INFINITY;
-  for (int i = 0; i < 32; ++i) {
-    float dot = dots[i];
-    for (ushort o = 16; o > 0; o >>= 1) dot += simd_shuffle_xor(dot, o);
-    if (lane == i) sc = dot;
+  const int j = base + t;
+  const auto krow = k + (kv0 + metal::min(metal::max(j, lo), p)) * D;
+  float sc = 0.0f;
+  if (keyed) {
+    for (int c = 0; c < D; ++c) sc = metal::fma(qs[c], static_cast<float>(krow[c]), sc);
   }
   if (base + t < lo || base + t > p) sc = -INFINITY;
   float m = sc;
