@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                         help="run each record in a child process, so a crash fails that record and the run goes "
                              "on (default: on a GPU, not on the CPU)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N",
-                        help="isolated records to run at once (default: 4 where isolated, else 1)")
+                        help="isolated records to run at once (default: 8, at most half the cores, where isolated; else 1)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="print each step as it starts, with the seconds since the run began, on stderr "
                              "(default: when stderr is a terminal)")

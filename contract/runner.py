@@ -15,10 +15,9 @@ from .registry import Registered, discover
 from .report import Report
 from .steps import new_result, run_record
 
-# Isolated records run this many at a time by default: on the H200 most of the time is MLX compiling its own
-# kernels on the host, one record at a time; more at once made the slowest record slower, not the run shorter
-# (docs/kernel-contract.md)
-JOBS = 4
+# Isolated records run at most this many at a time by default, and at most one a two host cores: on the H200 most of
+# the time is MLX compiling its own kernels on the host, one core a record (docs/kernel-contract.md has the timings)
+JOBS = 8
 
 
 def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, device: devices.Device | None = None,
@@ -29,7 +28,7 @@ def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, dev
     `isolate` runs each record in a child process (default: on a GPU, not on the CPU), so a crash in MLX or a
     kernel fails that record's step, and the rest of the run and its summary go on. Children find the records
     through the installed entry points, so isolation takes no `pm`. `jobs` isolated records run at once (default
-    JOBS where isolated); the report keeps record order.
+    JOBS, at most half the host's cores, where isolated); the report keeps record order.
     """
     only = list(only)
     seed = secrets.randbits(32) if seed is None else seed
@@ -38,7 +37,7 @@ def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, dev
         isolate = device.backend != "cpu" and pm is None
     if isolate and pm is not None:
         raise ValueError("an isolated run finds its records through installed entry points: pass no pm")
-    jobs = (min(JOBS, os.cpu_count() or 1) if isolate else 1) if jobs is None else jobs
+    jobs = (max(1, min(JOBS, (os.cpu_count() or 1) // 2)) if isolate else 1) if jobs is None else jobs
     if jobs < 1 or (jobs > 1 and not isolate):
         raise ValueError(f"jobs {jobs}: records run side by side only in child processes (isolated), 1 or more")
     found = discover(pm)
