@@ -32,8 +32,18 @@ SLACK = 1  # drafts a hold adds past a full grant, and a probe's hold after a gr
 # every layer's k/v as 8-bit matmuls: a 1,800-token prompt took 0.8 s on the fast CPU configuration, 50 plain rounds)
 HOLD_CATCH_UP = 256
 TIMING_REPEATS = 3  # each warm-up hold pass is timed this many times and its best kept (a preempted one reads long)
-# TENSORFOLD_HELD_ON_TARGET=1: holds launched and not waited on, their drafts read by the verify on the device
+# holds launched and not waited on, their drafts read by the verify on the device: 1 on, 0 off, unset on a GPU only
 HELD_ENV = "TENSORFOLD_HELD_ON_TARGET"
+
+
+def held_on_target_wanted() -> bool:
+    """Drafts kept on the device for the verify: by default on a GPU (one host wait a drafted round fewer), not on the
+    CPU, where the hold and the verify share the cores either way; TENSORFOLD_HELD_ON_TARGET=1 or 0 decides."""
+    chosen = os.environ.get(HELD_ENV, "")
+    if chosen not in ("", "0", "1"):
+        raise DrafterError(f"{HELD_ENV}={chosen!r}: set it to 1 (drafts held on the device), 0 (read back) or unset "
+                           "(held on a GPU)")
+    return chosen == "1" if chosen else mx.default_device().type == mx.DeviceType.gpu
 
 
 # ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----
@@ -101,7 +111,7 @@ class DSparkDrafter:
         self.facts = (DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS, hold_costs=True,
                                    shared_guard=True, lone_guard=True, catch_up=HOLD_CATCH_UP, kept_context=True)
                       if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
-        if os.environ.get(HELD_ENV) == "1":  # drafts kept on the device for the verify (off until timed on a GPU)
+        if held_on_target_wanted():
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold

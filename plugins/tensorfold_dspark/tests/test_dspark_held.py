@@ -14,7 +14,8 @@ from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import DraftAsk, HeldDrafts
 from tensorfold_core.testing import serial
-from tensorfold_dspark.drafter import HELD_ENV
+from tensorfold_core.errors import DrafterError
+from tensorfold_dspark.drafter import HELD_ENV, held_on_target_wanted
 
 from test_dspark_pricing import NAME, TARGET, drive, plain_replies, requests
 
@@ -92,3 +93,15 @@ def test_with_the_facts_off_a_hold_is_waited_on_and_its_drafts_come_back_as_host
 def test_replies_with_held_drafts_on_a_timed_engine_equal_plain_decoding(held_pair, plain, seeded):
     target, drafter = held_pair
     assert drive(target.model, drafter, requests(target, seeded), 4) == plain[seeded]
+
+
+def test_held_drafts_are_off_on_the_cpu_by_default_and_the_knob_decides_either_way(monkeypatch):
+    monkeypatch.delenv(HELD_ENV, raising=False)
+    assert not held_on_target_wanted()  # this suite runs on the CPU; a GPU holds by default
+    monkeypatch.setenv(HELD_ENV, "1")
+    assert held_on_target_wanted()
+    monkeypatch.setenv(HELD_ENV, "0")
+    assert not held_on_target_wanted()
+    monkeypatch.setenv(HELD_ENV, "yes")
+    with pytest.raises(DrafterError, match="TENSORFOLD_HELD_ON_TARGET='yes'"):
+        held_on_target_wanted()
