@@ -59,9 +59,19 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   const int j = base + t;
   const auto krow = k + (kv0 + min(max(j, lo), p)) * D;
   float sc = 0.0f;
-  if (keyed) {
-#pragma unroll 16
-    for (int c = 0; c < D; ++c) sc = fmaf(qs[c], static_cast<float>(krow[c]), sc);
+  if (keyed) {  // the key's row in 16-byte loads, up to 8 in flight at once, summed in order c = 0..D-1
+    constexpr int VEC = 16 / sizeof(krow[0]);
+    constexpr int CHUNK = D / VEC < 8 ? D / VEC : 8;
+    const uint4* kvec = reinterpret_cast<const uint4*>(krow);  // a row starts D elements in: 16-byte aligned
+#pragma unroll
+    for (int c0 = 0; c0 < D / VEC; c0 += CHUNK) {
+      uint4 raw[CHUNK];
+#pragma unroll
+      for (int i = 0; i < CHUNK; ++i) raw[i] = kvec[c0 + i];
+      const auto kc0 = reinterpret_cast<decltype(&krow[0])>(raw);
+#pragma unroll
+      for (int c = 0; c < CHUNK * VEC; ++c) sc = fmaf(qs[c0 * VEC + c], static_cast<float>(kc0[c]), sc);
+    }
   }
   if (base + t < lo || base + t > p) sc = NEG_INF;
   float m = sc;
@@ -80,18 +90,30 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   __syncthreads();
   float ls = wsum[g][0];
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
-  // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones in lo..p only; the
-  // loop stops at p, and a key before lo loads key lo instead and adds nothing (unconditional loads, as above)
+  // weighted values: thread t sums element t % D over keys jb..je-1 of part t / D in key order (the part's keys in
+  // lo..p). One base pointer and a fixed stride, no branch between keys: the unrolled loop issues its loads together
   const int d = t % D;
-  const int j0 = (t / D) * PER;
-  const int upto = min(PER, max(0, p - (base + j0) + 1));
+  const int jb = max(base + (t / D) * PER, lo);
+  const int je = min(base + (t / D) * PER + PER, p + 1);
   float acc = 0.0f;
-#pragma unroll 16
-  for (int jj = 0; jj < upto; ++jj) {
-    const int j = base + j0 + jj;
-    const auto vrow = v + (kv0 + max(j, lo)) * D;
-    const float vj = static_cast<float>(vrow[d]);
-    if (j >= lo) acc = fmaf(ew[g][j - base], vj, acc);
+  {
+    const auto vd = v + kv0 * D + d;
+    for (int j16 = jb; j16 < je; j16 += 16) {
+      float vs[16];  // a chunk's loads first (keys past je load nothing), so all 16 are in flight before the first sum
+      if (j16 + 16 <= je) {  // a whole chunk: no predicate per load
+#pragma unroll
+        for (int i = 0; i < 16; ++i) vs[i] = static_cast<float>(vd[(size_t)(j16 + i) * D]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) vs[i] = j16 + i < je ? static_cast<float>(vd[(size_t)(j16 + i) * D]) : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int j = j16 + i;
+        const float vj = vs[i];
+        if (j < je) acc = fmaf(ew[g][j - base], vj, acc);
+      }
+    }
   }
   part[g][t] = acc;
   __syncthreads();
@@ -185,14 +207,24 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   float ls = wsum[g][0];
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
   const int d = t % D;
-  const int j0 = (t / D) * PER;
-  const int upto = metal::min(PER, metal::max(0, p - (base + j0) + 1));
+  const int jb = metal::max(base + (t / D) * PER, lo);
+  const int je = metal::min(base + (t / D) * PER + PER, p + 1);
   float acc = 0.0f;
-  for (int jj = 0; jj < upto; ++jj) {
-    const int j = base + j0 + jj;
-    const auto vrow = v + (kv0 + metal::max(j, lo)) * D;
-    const float vj = static_cast<float>(vrow[d]);
-    if (j >= lo) acc = metal::fma(ew[g][j - base], vj, acc);
+  {
+    const auto vd = v + kv0 * D + d;
+    for (int j16 = jb; j16 < je; j16 += 16) {
+      float vs[16];  // a chunk's loads first (keys past je load nothing), so all 16 are in flight before the first sum
+      if (j16 + 16 <= je) {  // a whole chunk: no predicate per load
+        for (int i = 0; i < 16; ++i) vs[i] = static_cast<float>(vd[(size_t)(j16 + i) * D]);
+      } else {
+        for (int i = 0; i < 16; ++i) vs[i] = j16 + i < je ? static_cast<float>(vd[(size_t)(j16 + i) * D]) : 0.0f;
+      }
+      for (int i = 0; i < 16; ++i) {
+        const int j = j16 + i;
+        const float vj = vs[i];
+        if (j < je) acc = metal::fma(ew[g][j - base], vj, acc);
+      }
+    }
   }
   part[g][t] = acc;
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -252,15 +284,34 @@ def _streams(body: str, ns: str = "") -> str:
         (f"const auto krow = k + (kv0 + {ns}min({ns}max(j, lo), p)) * D;",
          f"const int jk = {ns}min({ns}max(j, lo), p);\n"
          "    const auto krow = jk < off ? kc + (kv0 + jk) * D : kn + (size_t)(wrow + jk - off) * KV * D + kn0;"),
-        (f"const auto vrow = v + (kv0 + {ns}max(j, lo)) * D;",
-         f"const int jv = {ns}max(j, lo);\n"
-         "    const auto vrow = jv < off ? vc + (kv0 + jv) * D : vn + (size_t)(wrow + jv - off) * KV * D + kn0;"),
     ]
     for old, new in edits:
         if body.count(old) != 1:
             raise ValueError(f"the attention body holds {old!r} {body.count(old)} times, expected once")
         body = body.replace(old, new)
-    return "// The packed-streams form: row r's stream, position and window from rowmap (attention_sources.py)\n" + body
+    return ("// The packed-streams form: row r's stream, position and window from rowmap (attention_sources.py)\n"
+            + _split_value_loop(body, ns))
+
+
+def _split_value_loop(body: str, ns: str) -> str:
+    """The value loop run twice in key order: the cache's keys jb..jm-1, then the window's packed rows jm..je-1; each
+    half keeps one base pointer and a fixed stride, so its loads still issue together."""
+    start = body.find("  {\n    const auto vd = v + kv0 * D + d;\n")
+    end = body.find("\n  }\n", start) + len("\n  }\n")
+    loop = body[start:end]
+    cache_edits = [("vd = v + kv0", "vd = vc + kv0"), ("je", "jm")]
+    window_edits = [("vd = v + kv0 * D + d", "vd = vn + kn0 + d"), ("j16 = jb", "j16 = jm"),
+                    ("vd[(size_t)(j16 + i) * D]", "vd[(size_t)(wrow + j16 + i - off) * KV * D]")]
+    for old, _ in cache_edits + window_edits:
+        if start < 0 or old not in loop:
+            raise ValueError(f"the attention body's value loop holds no {old!r}: not the loop this edit knows")
+    cache, window = loop, loop
+    for old, new in cache_edits:
+        cache = cache.replace(old, new)
+    for old, new in window_edits:
+        window = window.replace(old, new)
+    split = f"  const int jm = {ns}min({ns}max(jb, off), je);  // keys from off on are the window's packed rows\n"
+    return body[:start] + split + cache + window + body[end:]
 
 
 CUDA_STREAMS = _streams(CUDA)
