@@ -15,6 +15,8 @@ FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op fo
 RESIDUAL_ENV = "TENSORFOLD_FUSED_RESIDUAL"
 # "down": swiglu computed by down_proj as it reads gate|up's output, not stored by gate|up (to measure the two)
 SWIGLU_ENV = "TENSORFOLD_SWIGLU_IN"
+# "0": a layer's norms launched apart from the q|k|v and gate|up launches that read them (to measure the fold)
+NORM_ENV = "TENSORFOLD_NORM_IN"
 COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled; "1": compiled on any backend (a measurement)
 
 
@@ -141,6 +143,43 @@ class RecordSwiglu:
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.launch(x)["y"]
+
+
+class RecordNormed:
+    """An RMSNorm folded into the bf16 launch that reads its rows (q|k|v, or gate|up storing swiglu): the normed gemv
+    record over the same stacked weights, each row normed as the rmsnorm record norms it, then the GEMV's sums."""
+
+    def __init__(self, stacked: RecordFused, norm: nn.Module, record, kind: str, swiglu: bool):
+        from tensorfold_contract.serving import Prepared
+
+        from .gemv import OUT
+
+        norm = norm.inner if isinstance(norm, Served) else norm
+        n = stacked.bounds[1] if swiglu else stacked.bounds[-1]
+        dims = {"n": n, "k": stacked.dims["k"], "eps": norm.eps, "out": OUT}
+        eps = mx.array([norm.eps], mx.float32)
+        self.launch = Prepared(kind, record.implementations[kind], dims,
+                               lambda: {"w": stacked.arrays["w"], "nw": norm.weight, "eps": eps}, "x")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.launch(x)["y"]
+
+
+def normed_fused(stacked: RecordFused | None, norm: nn.Module, usable: Mapping[str, object], kind: str,
+                 swiglu: bool) -> RecordNormed | None:
+    """The norm-reading launch for a bf16 q|k|v (or gate|up of two equal halves, `swiglu`) without biases behind a
+    bf16 RMSNorm, where the table serves it; None elsewhere, or where TENSORFOLD_NORM_IN=0 asks the norm its own
+    launch (a measurement)."""
+    op = "projection bf16 rmsnorm swiglu" if swiglu else "projection bf16 rmsnorm"
+    inner = norm.inner if isinstance(norm, Served) else norm
+    if stacked is None or op not in usable or os.environ.get(NORM_ENV, "1") == "0":
+        return None
+    if not isinstance(inner, nn.RMSNorm) or inner.weight.dtype != mx.bfloat16 or "w" not in stacked.arrays:
+        return None
+    if any(b is not None for b in stacked.biases) or (swiglu and not (
+            len(stacked.bounds) == 3 and stacked.bounds[2] == 2 * stacked.bounds[1])):
+        return None
+    return RecordNormed(stacked, inner, usable[op], kind, swiglu)
 
 
 def swiglu_fused(gate_up: RecordFused | None, usable: Mapping[str, object], kind: str) -> RecordSwiglu | None:

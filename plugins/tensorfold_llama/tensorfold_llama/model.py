@@ -239,16 +239,24 @@ class TransformerBlock(nn.Module):
         # None: the methods themselves (kept out of the attribute, whose bound methods would make a reference cycle
         # that keeps a dropped model's weights alive until the next garbage collection)
         object.__setattr__(self, "halves", None)
+        # the input norm read by the q|k|v launch (roped only), the post-attention norm by gate|up's swiglu-storing
+        # launch: one launch each where there were two (serving.py)
+        object.__setattr__(self, "normed_qkv", None)
+        object.__setattr__(self, "normed_swiglu", None)
 
     def before(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x))
 
     def before_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if self.normed_qkv is not None:
+            return self.self_attn.rope_qkv(self.normed_qkv(x), positions)
         return self.self_attn.project_roped(self.input_layernorm(x), positions)
 
     def after(self, x: mx.array, mixed: mx.array) -> mx.array:
         attn, mlp = self.self_attn, self.mlp
         h = attn.o_residual(mixed, x) if attn.o_residual is not None else x + attn.o_proj(mixed)
+        if self.normed_swiglu is not None:
+            return mlp.down_residual(self.normed_swiglu(h), h)
         if mlp.down_residual is not None:
             normed = self.post_attention_layernorm(h)
             return mlp.down_residual(mlp.swiglu(normed) if mlp.swiglu is not None else mlp.gate_up.joined(normed), h)

@@ -17,6 +17,11 @@ OPS = {
     # where the fused down_proj computes it again in each of its blocks; the default where it serves
     "projection bf16 swiglu": {"cpu": BUILTIN, "cuda": "llama gemv bf16 gate|up swiglu",
                                "metal": "llama gemv bf16 gate|up swiglu"},
+    # a layer's norms folded into the launches that read them (q|k|v; gate|up storing swiglu): each block norms its
+    # rows in the rmsnorm record's order as it loads them, a launch fewer each (where the layers are compiled)
+    "projection bf16 rmsnorm": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm", "metal": "llama gemv bf16 rmsnorm"},
+    "projection bf16 rmsnorm swiglu": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm gate|up swiglu",
+                                       "metal": "llama gemv bf16 rmsnorm gate|up swiglu"},
     "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": BUILTIN},
     "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": BUILTIN},
     # MLX's fast rms_norm is row-invariant on CUDA (the record's mlx implementation passes gate 4 there, and the load

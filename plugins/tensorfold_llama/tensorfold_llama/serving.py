@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (RecordLinear, compile_halves, compiling, fused, projection_op,
-                                                 residual_fused, swaps, swiglu_fused)
+from tensorfold_core.row_kernels.modules import (RecordLinear, compile_halves, compiling, fused, normed_fused,
+                                                 projection_op, residual_fused, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
@@ -115,5 +115,13 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                     from tensorfold_core.row_kernels.stack import STACKS
 
                     model.stack_kv = STACKS[kind]
+        for layer in blocks.layers:  # each norm read by the one launch after it: a launch fewer each
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.rope_qkv is not None:
+                object.__setattr__(layer, "normed_qkv", normed_fused(attn.qkv, layer.input_layernorm, usable, kind,
+                                                                     swiglu=False))
+            if mlp.swiglu is not None:
+                object.__setattr__(layer, "normed_swiglu", normed_fused(
+                    mlp.gate_up, layer.post_attention_layernorm, usable, kind, swiglu=True))
         compile_halves(blocks.layers, usable, kind)
     return labels

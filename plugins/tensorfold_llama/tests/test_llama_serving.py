@@ -205,6 +205,25 @@ def test_compiled_layers_add_the_residual_in_o_proj_and_down_proj_and_gate_up_s_
     assert apart.model.layers[0].self_attn.o_residual is None and apart.model.layers[0].mlp.down_residual is None
 
 
+def test_compiled_layers_read_their_norms_in_the_q_k_v_and_gate_up_launches_bit_for_bit_and_apart_when_asked(
+        through_records, monkeypatch):
+    from tensorfold_core.row_kernels.modules import NORM_ENV, RecordNormed
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    layer = model.model.layers[1]
+    assert isinstance(layer.normed_qkv, RecordNormed) and isinstance(layer.normed_swiglu, RecordNormed)
+    assert model.kernels["projection bf16 rmsnorm"] == "llama gemv bf16 rmsnorm (mlx)"
+    assert model.kernels["projection bf16 rmsnorm swiglu"] == "llama gemv bf16 rmsnorm gate|up swiglu (mlx)"
+    scales = mx.array([[0.01], [1.0], [30.0], [2.0], [500.0]])  # rows of every size: each its own norm
+    x = (mx.random.normal((5, model.args.hidden_size), key=mx.random.key(6)) * scales).astype(mx.bfloat16)
+    assert mx.array_equal(layer.normed_qkv(x), layer.self_attn.qkv.joined(layer.input_layernorm(x))).item()
+    assert mx.array_equal(layer.normed_swiglu(x), layer.mlp.swiglu(layer.post_attention_layernorm(x))).item()
+    monkeypatch.setenv(NORM_ENV, "0")
+    apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    assert apart.model.layers[1].normed_qkv is None and apart.model.layers[1].normed_swiglu is None
+
+
 def test_asked_to_down_proj_reads_gate_up_s_output_through_swiglu_as_before(through_records, monkeypatch):
     from tensorfold_core.row_kernels.modules import SWIGLU_ENV
 

@@ -1,10 +1,10 @@
-"""The llama family's GEMV records (bf16, affine 4/8-bit, bf16 with the residual or swiglu folded in): the shared
+"""The llama family's GEMV records (bf16, affine 4/8-bit, bf16 with the residual, swiglu or the norm folded in): the shared
 row-invariant GEMV at the shapes llama serves."""
 
 from __future__ import annotations
 
 from tensorfold_contract import Shape
-from tensorfold_core.row_kernels import gemv_fused
+from tensorfold_core.row_kernels import gemv_fused, gemv_normed
 from tensorfold_core.row_kernels.gemv import OUT, WIDEST_CALL, record, shard_sizes, source  # noqa: F401
 
 from .common import LLAMA_1B, LLAMA_8B, TINY, TINY_DRAFTER
@@ -50,9 +50,22 @@ def fused_served(fusion: str) -> tuple[Shape, ...]:
     return tuple(out)
 
 
+def normed_served(fusion: str) -> tuple[Shape, ...]:
+    """Each model's q|k|v (norm) or gate|up (norm swiglu: n the swiglu's width) behind its RMSNorm, at the widest
+    call (a group's rank norms apart: no shard shape is served normed)."""
+    out = []
+    for label, m, heavy in MODELS:
+        d, kv = m["hidden"], m["kv_heads"] * m["head_dim"]
+        what, n = ("q|k|v", d + 2 * kv) if fusion == "norm" else ("gate|up", m["inter"])
+        out.append(gemv_normed.shape(f"{label} {what} {n}x{d}", n, d, 1e-5, heavy=heavy))
+    return tuple(out)
+
+
 BF16 = record("llama", 16, served(16))
 RESIDUAL = gemv_fused.record("llama", "residual", fused_served("residual"))
 SWIGLU_RESIDUAL = gemv_fused.record("llama", "swiglu residual", fused_served("swiglu residual"))
 SWIGLU = gemv_fused.record("llama", "swiglu", fused_served("swiglu"))
+NORM = gemv_normed.record("llama", "norm", normed_served("norm"))
+NORM_SWIGLU = gemv_normed.record("llama", "norm swiglu", normed_served("norm swiglu"))
 Q4 = record("llama", 4, served(4))
 Q8 = record("llama", 8, served(8))
