@@ -209,7 +209,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "unfused-residual": {"TENSORFOLD_FUSED_RESIDUAL": "0"}, "rope-apart": {"TENSORFOLD_ROPE_QKV": "0"},
             "swiglu-down": {"TENSORFOLD_SWIGLU_IN": "down"}, "stack-builtin": {"TENSORFOLD_STACK_KV": "0"},
             "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}, "all-inputs": {"TENSORFOLD_NARROW_INPUTS": "0"},
-            "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"}}
+            "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
+            "norms-apart": {"TENSORFOLD_NORM_IN": "0"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -225,8 +226,9 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     new keys and values with MLX's ops, TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text with its comments,
     TENSORFOLD_KERNEL_COMMENTS=1, `:all-inputs` launches the streams attention with all 8 cache slots and stack kv
     with all 32 layers' inputs, TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a DSpark drafter's drafts on the device for
-    the verify, TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to the host first, =0): the JSON
-    its last line prints."""
+    the verify, TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to the host first, =0,
+    `:norms-apart` launches a layer's norms apart from the q|k|v and gate|up launches that read them,
+    TENSORFOLD_NORM_IN=0): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
