@@ -42,31 +42,45 @@ __device__ __forceinline__ uint4 tf_norm8(const __nv_bfloat16* x, const __nv_bfl
 }
 """
 
-_CUDA_STEPS = "const int steps = (K + 31) / 32;"
-# the block's rows' inverse norms, in the rmsnorm record's order: thread i sums squares i, i + 256, ... of a row; a
-# warp folds them by a fixed xor tree; the warps' sums are added in warp order
-_CUDA_INV = _CUDA_STEPS + """
-__shared__ float tf_ss[RB][WARPS];
-__shared__ float tf_inv[RB];
-for (int j = 0; j < RB && row0 + j < rows; ++j) {
-  const __nv_bfloat16* xr = x + (size_t)(row0 + j) * K;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < K; i += WARPS * 32) {
-    const float v = __bfloat162float(xr[i]);
-    ss = fmaf(v, v, ss);
+_CUDA_LOOP = "for (int s0 = warp; s0 < steps; s0 += WARPS * U) {"
+# every warp takes a first step, its loads zeros past K and its sums skipped, so that the whole block meets the
+# barriers of the norms worked out inside it, while that step's weights are on their way
+_CUDA_FIRST = "for (int s0 = warp, tf_first = 1; tf_first || s0 < steps; s0 += WARPS * U) {"
+_CUDA_SUMS = "#pragma unroll\n  for (int u = 0; u < U; ++u) {\n    if (s0 + u * WARPS < steps) {"
+# the block's rows' inverse norms, in the rmsnorm record's order: thread i sums squares i, i + 256, ... of a row (8
+# loads at a time; a square of a zero past K adds nothing); a warp folds them by a fixed xor tree; the warps' sums
+# are added in warp order
+_CUDA_INV = """  if (tf_first) {
+    tf_first = 0;
+    for (int j = 0; j < RB && row0 + j < rows; ++j) {
+      const __nv_bfloat16* xr = x + (size_t)(row0 + j) * K;
+      float ss = 0.0f;
+      for (int i0 = threadIdx.x; i0 < K; i0 += 8 * WARPS * 32) {
+        float v[8];
+        if (i0 + 7 * WARPS * 32 < K) {  // unpredicated, so that the 8 loads go out together
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(xr[i0 + e * WARPS * 32]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = i0 + e * WARPS * 32 < K ? __bfloat162float(xr[i0 + e * WARPS * 32]) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+      }
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) tf_ss[j][warp] = ss;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < RB && row0 + (int)threadIdx.x < rows) {
+      float total = 0.0f;
+      for (int p = 0; p < WARPS; ++p) total += tf_ss[threadIdx.x][p];
+      tf_inv[threadIdx.x] = rsqrtf(total / (float)K + tf_eps);
+    }
+    __syncthreads();
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (lane == 0) tf_ss[j][warp] = ss;
-}
-__syncthreads();
-if ((int)threadIdx.x < RB && row0 + (int)threadIdx.x < rows) {
-  float total = 0.0f;
-  for (int p = 0; p < WARPS; ++p) total += tf_ss[threadIdx.x][p];
-  tf_inv[threadIdx.x] = rsqrtf(total / (float)K + eps[0]);
-}
-__syncthreads();"""
+"""
 _CUDA_NORMED = "tf_norm8(x, nw, tf_inv[r - row0], r, k, K, vec)"
-_CUDA_INV_TOTAL = "tf_inv[threadIdx.x] = rsqrtf(total / (float)K + eps[0]);"
+_CUDA_INV_TOTAL = "tf_inv[threadIdx.x] = rsqrtf(total / (float)K + tf_eps);"
 
 _METAL_PART = "threadgroup float part[WARPS][RB][16];"
 _METAL_STEPS = "const int steps = (K + 31) / 32;"
@@ -102,7 +116,11 @@ def _normed_text(kind: str, fusion: str) -> str:
     if fusion == "norm swiglu":
         body = _text(body, "swiglu", kind)
     if kind == "cuda":
-        body = _once(body, _CUDA_STEPS, _CUDA_INV)
+        body = _once(body, "const int K = dims[2];", "const int K = dims[2];\nconst float tf_eps = eps[0];")
+        body = _once(body, "constexpr int CB = 16 * MT;  // columns a block", "constexpr int CB = 16 * MT;  // columns a "
+                     "block\n__shared__ float tf_ss[RB][WARPS];\n__shared__ float tf_inv[RB];")
+        body = _once(body, _CUDA_LOOP, _CUDA_FIRST)
+        body = _once(body, _CUDA_SUMS, _CUDA_INV + _CUDA_SUMS)
         return _once(body, "tf_load8(x, r, k, K, vec)", _CUDA_NORMED)
     body = _once(body, _METAL_PART, _METAL_PART + "\nthreadgroup float tf_ss[RB][WARPS];\nthreadgroup float tf_inv[RB];")
     body = _once(body, _METAL_STEPS, _METAL_INV)
@@ -212,7 +230,7 @@ def record(family: str, fusion: str, shapes: tuple[Shape, ...]) -> KernelRecord:
                 swap("* inv * __bfloat162float(bh[e])", "* inv", where="header")),
         Control("the norm's sum of squares in fp16 when many rows", "cuda", 4, swap(
             _CUDA_INV_TOTAL, "tf_inv[threadIdx.x] = rsqrtf((rows > 1 ? __half2float(__float2half(total)) : total) "
-                             "/ (float)K + eps[0]);")),
+                             "/ (float)K + tf_eps);")),
         Control("warp sums folded in reverse when many rows", "cuda", 4, WARPS_REVERSED_WHEN_MANY),
         Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
         Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
