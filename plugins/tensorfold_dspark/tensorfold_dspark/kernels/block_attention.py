@@ -243,8 +243,8 @@ CUDA_SPLIT_BY_ROW_COUNT = edits(  # splits of SPLIT / 2 keys when more than one 
     ("const int base = (first + g) * SPLIT;", f"const int base = (first + g) * {_HALF};"),
     ("if (base + t >= T) sc = NEG_INF;", f"if (base + t >= T || t >= {_HALF}) sc = NEG_INF;"))
 CUDA_BLOCK_FROM_ROW_COUNT = swap("const int B = dims[5];", "const int B = min(dims[5], rows);")
-CUDA_FP16_ACCUMULATOR = swap("acc = fmaf(ew[g][j - base], vj, acc);",
-                             "acc = __half2float(__float2half(fmaf(ew[g][j - base], vj, acc)));")
+CUDA_FP16_ACCUMULATOR = swap("acc = fmaf(ew[g][j16 + i - base], vs[i], acc);",  # in both runs, context and block
+                             "acc = __half2float(__float2half(fmaf(ew[g][j16 + i - base], vs[i], acc)));", count=2)
 
 # Declared by kinship, not yet seen: this record has not met a GPU. In MLX's sources SDPA on CUDA picks its path by
 # the query's row count and head_dim (a vector kernel, cuDNN or the matmul fallback), so a row's bits may follow the

@@ -5,6 +5,37 @@
 # [1] and dims [rows, H, KV, C, n, B]; out [rows, H, D] is float32. Template constants: D (head dim, a multiple of 32
 # dividing SPLIT), SPLIT (keys a split, one thread each) and GROUPS (splits a block runs side by side).
 
+def _values(fma: str) -> str:
+    """The value loop's text: the context's keys jb..jm-1, then the block's jm..je-1, in chunks of 16 keys whose loads
+    all go out before the chunk's first sum (a whole chunk unpredicated; a short one loads nothing past its end)."""
+    runs = (("context_values + c0 * D + d", "jb", "jm", "j"), ("block_values + b0 * D + d", "jm", "je", "j - n"))
+    text = ""
+    for pointer, start, stop, key in runs:
+        text += f"""  {{
+    const auto vd = {pointer};
+    for (int j16 = {start}; j16 < {stop}; j16 += 16) {{
+      float vs[16];
+      if (j16 + 16 <= {stop}) {{
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {{ const int j = j16 + i; vs[i] = static_cast<float>(vd[(size_t)({key}) * D]); }}
+      }} else {{
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {{
+          const int j = j16 + i;
+          vs[i] = j < {stop} ? static_cast<float>(vd[(size_t)({key}) * D]) : 0.0f;
+        }}
+      }}
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {{
+        if (j16 + i < {stop}) acc = {fma}(ew[g][j16 + i - base], vs[i], acc);
+      }}
+    }}
+  }}
+"""
+    return text
+
+
+
 CUDA = """
 // One block per (row, head): GROUPS groups of SPLIT threads, thread t of a group owning key t of its split. Every row
 // of the block attends the same T = n + B keys, both ways: key j < n is context key j, key j >= n block key j - n.
@@ -95,20 +126,14 @@ for (int first = 0; first <= last; first += GROUPS) {
   __syncthreads();
   float ls = wsum[g][0];
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
-  // weighted values: thread t sums element t % D over keys of part t / D in key order, the ones before T only; the
-  // loop stops at T, its bound set before it, and the row's pointer is a select (unconditional loads, as above)
+  // weighted values: thread t sums element t % D over keys jb..je-1 of part t / D in key order (those before T): the
+  // context's keys jb..jm-1, then the block's jm..je-1, each run from one base pointer at a fixed stride
   const int d = t % D;
-  const int j0 = (t / D) * PER;
-  const int upto = min(PER, max(0, T - (base + j0)));
+  const int jb = base + (t / D) * PER;
+  const int je = min(jb + PER, T);
+  const int jm = min(max(jb, n), je);
   float acc = 0.0f;
-#pragma unroll 16
-  for (int jj = 0; jj < upto; ++jj) {
-    const int j = base + j0 + jj;
-    const auto vrow = j < n ? context_values + (c0 + j) * D : block_values + (b0 + j - n) * D;
-    const float vj = static_cast<float>(vrow[d]);
-    acc = fmaf(ew[g][j - base], vj, acc);
-  }
-  part[g][t] = acc;
+VALUES  part[g][t] = acc;
   __syncthreads();
   if (t < D) {
     float as = part[g][t];
@@ -213,16 +238,11 @@ for (int first = 0; first <= last; first += GROUPS) {
   float ls = wsum[g][0];
   for (int w = 1; w < WARPS; ++w) ls += wsum[g][w];
   const int d = t % D;
-  const int j0 = (t / D) * PER;
-  const int upto = metal::min(PER, metal::max(0, T - (base + j0)));
+  const int jb = base + (t / D) * PER;
+  const int je = metal::min(jb + PER, T);
+  const int jm = metal::min(metal::max(jb, n), je);
   float acc = 0.0f;
-  for (int jj = 0; jj < upto; ++jj) {
-    const int j = base + j0 + jj;
-    const auto vrow = j < n ? context_values + (c0 + j) * D : block_values + (b0 + j - n) * D;
-    const float vj = static_cast<float>(vrow[d]);
-    acc = metal::fma(ew[g][j - base], vj, acc);
-  }
-  part[g][t] = acc;
+VALUES  part[g][t] = acc;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (t < D) {
     float as = part[g][t];
@@ -249,3 +269,6 @@ for (int first = 0; first <= last; first += GROUPS) {
 }
 if (tid < D) out[((size_t)row * H + head) * D + tid] = O / L;
 """
+
+CUDA = CUDA.replace("VALUES", _values("fmaf"))
+METAL = METAL.replace("VALUES", _values("metal::fma"))
