@@ -157,9 +157,8 @@ class RecordNormed:
         norm = norm.inner if isinstance(norm, Served) else norm
         n = stacked.bounds[1] if swiglu else stacked.bounds[-1]
         dims = {"n": n, "k": stacked.dims["k"], "eps": norm.eps, "out": OUT}
-        eps = mx.array([norm.eps], mx.float32)
         self.launch = Prepared(kind, record.implementations[kind], dims,
-                               lambda: {"w": stacked.arrays["w"], "nw": norm.weight, "eps": eps}, "x")
+                               lambda: {"w": stacked.arrays["w"], "nw": norm.weight}, "x")  # eps rides in the dims
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.launch(x)["y"]
