@@ -42,6 +42,8 @@ __device__ __forceinline__ uint4 tf_norm8(const __nv_bfloat16* x, const __nv_bfl
 }
 """
 
+_CUDA_EPS = "const int K = dims[2];\nconst float tf_eps = __int_as_float(dims[3]);"  # eps's float32 bits
+_CUDA_CB = "constexpr int CB = 16 * MT;  // columns a block"
 _CUDA_LOOP = "for (int s0 = warp; s0 < steps; s0 += WARPS * U) {"
 # every warp takes a first step, its loads zeros past K and its sums skipped, so that the whole block meets the
 # barriers of the norms worked out inside it, while that step's weights are on their way
@@ -83,6 +85,7 @@ _CUDA_NORMED = "tf_norm8(x, nw, tf_inv[r - row0], r, k, K, vec)"
 _CUDA_INV_TOTAL = "tf_inv[threadIdx.x] = rsqrtf(total / (float)K + tf_eps);"
 
 _METAL_PART = "threadgroup float part[WARPS][RB][16];"
+_METAL_SHARED = "\nthreadgroup float tf_ss[RB][WARPS];\nthreadgroup float tf_inv[RB];"
 _METAL_STEPS = "const int steps = (K + 31) / 32;"
 _METAL_INV = _METAL_STEPS + """
 for (int j = 0; j < RB && row0 + j < rows; ++j) {
@@ -116,13 +119,12 @@ def _normed_text(kind: str, fusion: str) -> str:
     if fusion == "norm swiglu":
         body = _text(body, "swiglu", kind)
     if kind == "cuda":
-        body = _once(body, "const int K = dims[2];", "const int K = dims[2];\nconst float tf_eps = __int_as_float(dims[3]);")
-        body = _once(body, "constexpr int CB = 16 * MT;  // columns a block", "constexpr int CB = 16 * MT;  // columns a "
-                     "block\n__shared__ float tf_ss[RB][WARPS];\n__shared__ float tf_inv[RB];")
+        body = _once(body, "const int K = dims[2];", _CUDA_EPS)
+        body = _once(body, _CUDA_CB, _CUDA_CB + "\n__shared__ float tf_ss[RB][WARPS];\n__shared__ float tf_inv[RB];")
         body = _once(body, _CUDA_LOOP, _CUDA_FIRST)
         body = _once(body, _CUDA_SUMS, _CUDA_INV + _CUDA_SUMS)
         return _once(body, "tf_load8(x, r, k, K, vec)", _CUDA_NORMED)
-    body = _once(body, _METAL_PART, _METAL_PART + "\nthreadgroup float tf_ss[RB][WARPS];\nthreadgroup float tf_inv[RB];")
+    body = _once(body, _METAL_PART, _METAL_PART + _METAL_SHARED)
     body = _once(body, _METAL_STEPS, _METAL_INV)
     return _once(body, _METAL_LOAD, _METAL_NORMED)
 

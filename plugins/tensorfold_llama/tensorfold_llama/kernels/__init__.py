@@ -7,5 +7,5 @@ def records() -> list:
     from . import argmax, attention, draw, gemv, rmsnorm, rope, rope_qkv, stack
 
     return [rmsnorm.RECORD, rope.NEOX, rope.INTERLEAVED, rope_qkv.NEOX, rope_qkv.INTERLEAVED, gemv.BF16,
-            gemv.RESIDUAL, gemv.SWIGLU_RESIDUAL, gemv.SWIGLU, gemv.NORM, gemv.NORM_SWIGLU, gemv.Q4, gemv.Q8, argmax.RECORD, draw.RECORD,
-            attention.RECORD, attention.STREAMS, stack.RECORD]
+            gemv.RESIDUAL, gemv.SWIGLU_RESIDUAL, gemv.SWIGLU, gemv.NORM, gemv.NORM_SWIGLU, gemv.Q4, gemv.Q8,
+            argmax.RECORD, draw.RECORD, attention.RECORD, attention.STREAMS, stack.RECORD]

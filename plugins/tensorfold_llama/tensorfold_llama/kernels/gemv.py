@@ -1,5 +1,5 @@
-"""The llama family's GEMV records (bf16, affine 4/8-bit, bf16 with the residual, swiglu or the norm folded in): the shared
-row-invariant GEMV at the shapes llama serves."""
+"""The llama family's GEMV records (bf16, affine 4/8-bit, bf16 with the residual, swiglu or the norm folded in): the
+shared row-invariant GEMV at the shapes llama serves."""
 
 from __future__ import annotations
 
