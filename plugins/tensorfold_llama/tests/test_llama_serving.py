@@ -224,6 +224,14 @@ def test_compiled_layers_read_their_norms_in_the_q_k_v_and_gate_up_launches_bit_
     assert apart.model.layers[1].normed_qkv is None and apart.model.layers[1].normed_swiglu is None
 
 
+def test_a_4_bit_model_keeps_its_norms_apart_since_only_bf16_weights_read_normed_rows(through_records, monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model, _, _ = load_model("tiny-llama-drafter-4bit", LoadOptions(dtype="bfloat16"))
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv is not None and layer.self_attn.rope_qkv is not None  # one launch each, q4
+    assert layer.normed_qkv is None and layer.normed_swiglu is None
+
+
 def test_asked_to_down_proj_reads_gate_up_s_output_through_swiglu_as_before(through_records, monkeypatch):
     from tensorfold_core.row_kernels.modules import SWIGLU_ENV
 
