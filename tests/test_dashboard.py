@@ -35,14 +35,25 @@ def test_the_dashboard_shows_numbers_that_move_while_a_request_runs(served, brow
     page.goto(served.url + "/dashboard")
     page.wait_for_function("document.getElementById('rounds').textContent !== '-'")
     rounds_before = int(page.text_content("#rounds").replace(",", ""))
-    body = {"prompt": "def add(a, b):\n", "max_tokens": 400, "temperature": 0, "draft": False}
-    running = threading.Thread(target=lambda: httpx.post(served.url + "/v1/completions", json=body, timeout=120))
+    # a long streamed request, read until the page has shown it running and then dropped: on a loaded machine the
+    # page's polls may come seconds apart, and a short request could end between two of them
+    body = {"prompt": "def add(a, b):\n", "max_tokens": 1900, "temperature": 0, "draft": False, "stream": True}
+    seen = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as response:
+            for _ in response.iter_lines():
+                if seen.is_set():
+                    break
+
+    running = threading.Thread(target=stream)
     running.start()
     page.wait_for_function(f"Number(document.getElementById('rounds').textContent.replace(/,/g, '')) > "
                            f"{rounds_before}", timeout=60_000)
     # the running stream's own row, with its tokens per second, while it runs
     page.wait_for_function("[...document.querySelectorAll('#streams tr')].some((row) => "
                            "Number(row.cells[3].textContent.replace(/,/g, '')) > 0)", timeout=60_000)
+    seen.set()
     running.join(120)
     assert page.text_content("#waiting").replace(",", "").isdigit()  # the queue's length
     hits, _, lookups = page.text_content("#cache").replace(",", "").partition(" of ")
