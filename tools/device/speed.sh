@@ -13,12 +13,14 @@
 #   launch    a launch's cost in a chain: custom kernels against MLX's own ops (bench/bench_launch.py)
 #   tiles     the bf16 GEMV's tile geometries at 1-128 rows, bit-equal first (bench/bench_gemv_tiles.py);
 #             TILES_ARGS passes flags on, e.g. "--warps 8,16 --rows 1,4,8 --shapes 2048x2048,2048x8192"
+#   normed    the norm folded into the bf16 GEMV against MLX's rms_norm + the plain GEMV, bits first, under ncu, with
+#             the ablations that find where its time goes (bench/bench_normed_gemv.py --ablations)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
-# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_EXACT=80, CAP_CONTRACT=70,
-# CAP_AFFINE=60), so a call ends inside its limit and says which step was cut. Everything lands in one receipt
-# folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site) and, for
+# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
+# CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut. Everything lands in
+# one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site) and, for
 # pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes the contract's inputs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -62,6 +64,10 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt TF_EXEC="python3 $script --json $receipt/$name.json" \
           step "$name" "${CAP_TILES:-180}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/$name.txt" ;;
+      normed)
+        OUT=$receipt TF_EXEC="python3 bench/bench_normed_gemv.py --ablations" \
+          step normed "${CAP_NORMED:-90}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/normed.txt" ;;
       contract|affine)
         records="--only llama*gemv*bf16* --only llama*window*attention* --only llama*rope*qkv*"
         [ "$name" = affine ] && records="--only llama*gemv*q4 --only llama*gemv*q8"
@@ -70,11 +76,11 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, token, exact, contract, affine, launch, tiles)" >&2; exit 2 ;;
+      *) echo "unknown step $name (bench, pair, token, normed, exact, contract, affine, launch, tiles)" >&2; exit 2 ;;
     esac
   done
 done
 mkdir -p "$out"
 tar czf "$out/receipt.tgz" -C "$receipt" .
-for f in steps.txt gemv.txt pair.txt contract.txt affine.txt launch.txt tiles.txt; do [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"; done
+for f in steps.txt gemv.txt pair.txt normed.txt contract.txt affine.txt launch.txt tiles.txt; do [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"; done
 cat "$receipt/steps.txt"
