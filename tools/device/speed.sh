@@ -82,5 +82,7 @@ for what in "${@:-bench pair exact contract affine}"; do
 done
 mkdir -p "$out"
 tar czf "$out/receipt.tgz" -C "$receipt" .
-for f in steps.txt gemv.txt pair.txt normed.txt contract.txt affine.txt launch.txt tiles.txt; do [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"; done
+for f in steps.txt gemv.txt pair.txt normed.txt contract.txt affine.txt launch.txt tiles.txt; do
+  [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"
+done
 cat "$receipt/steps.txt"
