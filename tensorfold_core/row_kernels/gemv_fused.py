@@ -100,11 +100,13 @@ _STORE_SWIGLU = ("if (m == 0) gate[o] = static_cast<T>(v);\n"
                  "      else y[(size_t)row * N + col] = tf_swiglu1(gate[o], static_cast<T>(v));")
 
 
-def _text(body: str, fusion: str, kind: str) -> str:
-    def once(text: str, old: str, new: str) -> str:
-        assert text.count(old) == 1, old
-        return text.replace(old, new)
+def once(text: str, old: str, new: str) -> str:
+    """`text` with its one `old` replaced (an edit of a kernel's text that must land exactly once)."""
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
 
+
+def _text(body: str, fusion: str, kind: str) -> str:
     if fusion == "swiglu":
         for old, new in _SWIGLU_EDITS[kind]:
             body = once(body, old, new)

@@ -20,7 +20,7 @@ from tensorfold_contract.helpers import BF16_ULP, bf16, int_array, row_scales
 
 from .gemv import NOT_INVARIANT_ON_CUDA, OUT, WARPS, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16, tiles
 from .gemv import tolerance as gemv_tolerance
-from .gemv_fused import (CUDA_SWIGLU_HEADER, METAL_SWIGLU_PAIR_HEADER, _launch_swiglu, _text, edges, mlx_for,
+from .gemv_fused import (CUDA_SWIGLU_HEADER, METAL_SWIGLU_PAIR_HEADER, _launch_swiglu, _text, edges, mlx_for, once,
                          swiglu_host, tolerance_swiglu)
 from .gemv_sources import CUDA_BF16, CUDA_BF16_HEADER, METAL_BF16
 
@@ -109,24 +109,19 @@ _METAL_NORMED = ("static_cast<float>(static_cast<bfloat16_t>(static_cast<float>(
                  "tf_inv[row - row0] * static_cast<float>(nw[k])))")
 
 
-def _once(text: str, old: str, new: str) -> str:
-    assert text.count(old) == 1, old
-    return text.replace(old, new)
-
-
 def _normed_text(kind: str, fusion: str) -> str:
     body = CUDA_BF16 if kind == "cuda" else METAL_BF16
     if fusion == "norm swiglu":
         body = _text(body, "swiglu", kind)
     if kind == "cuda":
-        body = _once(body, "const int K = dims[2];", _CUDA_EPS)
-        body = _once(body, _CUDA_CB, _CUDA_CB + "\n__shared__ float tf_ss[RB][WARPS];\n__shared__ float tf_inv[RB];")
-        body = _once(body, _CUDA_LOOP, _CUDA_FIRST)
-        body = _once(body, _CUDA_SUMS, _CUDA_INV + _CUDA_SUMS)
-        return _once(body, "tf_load8(x, r, k, K, vec)", _CUDA_NORMED)
-    body = _once(body, _METAL_PART, _METAL_PART + _METAL_SHARED)
-    body = _once(body, _METAL_STEPS, _METAL_INV)
-    return _once(body, _METAL_LOAD, _METAL_NORMED)
+        body = once(body, "const int K = dims[2];", _CUDA_EPS)
+        body = once(body, _CUDA_CB, _CUDA_CB + "\n__shared__ float tf_ss[RB][WARPS];\n__shared__ float tf_inv[RB];")
+        body = once(body, _CUDA_LOOP, _CUDA_FIRST)
+        body = once(body, _CUDA_SUMS, _CUDA_INV + _CUDA_SUMS)
+        return once(body, "tf_load8(x, r, k, K, vec)", _CUDA_NORMED)
+    body = once(body, _METAL_PART, _METAL_PART + _METAL_SHARED)
+    body = once(body, _METAL_STEPS, _METAL_INV)
+    return once(body, _METAL_LOAD, _METAL_NORMED)
 
 
 def _inputs(case):

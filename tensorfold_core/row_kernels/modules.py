@@ -145,16 +145,21 @@ class RecordSwiglu:
         return self.launch(x)["y"]
 
 
+def _bf16_unbiased(stacked: RecordFused, halves: bool) -> bool:
+    """Whether a stacked launch has bf16 weights and no biases (and, with `halves`, two equal parts: gate and up)."""
+    two = len(stacked.bounds) == 3 and stacked.bounds[2] == 2 * stacked.bounds[1]
+    return "w" in stacked.arrays and all(b is None for b in stacked.biases) and (two or not halves)
+
+
 class RecordNormed:
     """An RMSNorm folded into the bf16 launch that reads its rows (q|k|v, or gate|up storing swiglu): the normed gemv
     record over the same stacked weights, each row normed as the rmsnorm record norms it, then the GEMV's sums."""
 
-    def __init__(self, stacked: RecordFused, norm: nn.Module, record, kind: str, swiglu: bool):
+    def __init__(self, stacked: RecordFused, norm: nn.RMSNorm, record, kind: str, swiglu: bool):
         from tensorfold_contract.serving import Prepared
 
         from .gemv import OUT
 
-        norm = norm.inner if isinstance(norm, Served) else norm
         n = stacked.bounds[1] if swiglu else stacked.bounds[-1]
         dims = {"n": n, "k": stacked.dims["k"], "eps": norm.eps, "out": OUT}
         self.launch = Prepared(kind, record.implementations[kind], dims,
@@ -173,10 +178,7 @@ def normed_fused(stacked: RecordFused | None, norm: nn.Module, usable: Mapping[s
     inner = norm.inner if isinstance(norm, Served) else norm
     if stacked is None or op not in usable or os.environ.get(NORM_ENV, "1") == "0":
         return None
-    if not isinstance(inner, nn.RMSNorm) or inner.weight.dtype != mx.bfloat16 or "w" not in stacked.arrays:
-        return None
-    if any(b is not None for b in stacked.biases) or (swiglu and not (
-            len(stacked.bounds) == 3 and stacked.bounds[2] == 2 * stacked.bounds[1])):
+    if not isinstance(inner, nn.RMSNorm) or inner.weight.dtype != mx.bfloat16 or not _bf16_unbiased(stacked, swiglu):
         return None
     return RecordNormed(stacked, inner, usable[op], kind, swiglu)
 
@@ -187,8 +189,7 @@ def swiglu_fused(gate_up: RecordFused | None, usable: Mapping[str, object], kind
     op = "projection bf16 swiglu"
     if gate_up is None or op not in usable or os.environ.get(SWIGLU_ENV, "gate_up") == "down":
         return None
-    halves = len(gate_up.bounds) == 3 and gate_up.bounds[2] == 2 * gate_up.bounds[1]
-    if not halves or "w" not in gate_up.arrays or any(b is not None for b in gate_up.biases):
+    if not _bf16_unbiased(gate_up, halves=True):
         return None
     return RecordSwiglu(gate_up, usable[op], kind)
 
