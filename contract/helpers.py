@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 WIDEST = 16  # the widest verify window (rows of one forward) the lane core asks for
@@ -34,11 +36,29 @@ def mx_dtype(name: str):
     return {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[name]
 
 
-def int_array(values):
-    """A small int32 mx.array of sizes a kernel reads (rows, columns, …)."""
+PAD_ENV = "TENSORFOLD_PAD_INPUTS"  # =0 keeps a kernel's small inputs at their own size (a measurement)
+SMALLEST_BUFFER = 16  # bytes: MLX's CUDA allocator serves 8 or fewer from one shared managed-memory pool
+
+
+def kernel_array(values, dtype) -> "mx.array":
+    """A small constant a kernel reads (sizes, a scale, an eps), `values` as they are, in a buffer of at least
+    SMALLEST_BUFFER bytes. MLX's CUDA allocator puts arrays of 8 bytes or less in one managed-memory pool whose pages
+    the host writes for every new scalar, so a kernel reading one there waits on the page's move to the device (about
+    13 us a launch on the H200, docs/gpu.md); a buffer of its own stays on the device once read."""
     import mlx.core as mx
 
-    return mx.array(np.asarray(values, dtype=np.int32))
+    host = np.asarray(values, dtype=dtype).reshape(-1)
+    size = host.size
+    if os.environ.get(PAD_ENV, "1") == "0" or host.nbytes >= SMALLEST_BUFFER:
+        return mx.array(host)
+    padded = np.zeros(-(-SMALLEST_BUFFER // host.itemsize), host.dtype)
+    padded[:size] = host
+    return mx.array(padded)[:size]  # a view: the kernel reads the padded buffer, the shape is `values`'
+
+
+def int_array(values):
+    """A small int32 mx.array of sizes a kernel reads (rows, columns, …), in a buffer of its own (kernel_array)."""
+    return kernel_array(values, np.int32)
 
 
 def groups(count: int, per_group: int) -> int:

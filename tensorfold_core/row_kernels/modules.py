@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from tensorfold_contract.helpers import kernel_array
 
 
 FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op folded in (to measure what fusing saves)
@@ -231,7 +232,7 @@ class RecordNorm(Served):
 
         super().__init__()
         self.inner = inner  # the norm's weight stays its own, under `inner`
-        eps = mx.array([inner.eps], mx.float32)
+        eps = kernel_array([inner.eps], "float32")
         implementation = record.implementations[kind]
 
         def prepared(dtype: mx.Dtype) -> Prepared:  # one a dtype: the record's dims name the activation dtype

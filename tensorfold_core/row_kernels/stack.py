@@ -155,8 +155,6 @@ def source(kind: str) -> Source:
 
 def served_stack(kind: str):
     """What a forward calls on `kind`: (keys, values) of every layer -> their [rows, layers, ...] stacks, one launch."""
-    import mlx.core as mx
-
     made: dict = {}
 
     def stack(keys: Sequence, values: Sequence):
@@ -173,7 +171,7 @@ def served_stack(kind: str):
         pad = slots - len(keys)
         dims = made.get(("dims", rows, kv * d))
         if dims is None:
-            dims = made[("dims", rows, kv * d)] = mx.array([rows, kv * d], mx.int32)
+            dims = made[("dims", rows, kv * d)] = int_array([rows, kv * d])
         ks, vs = kernel(inputs=[*keys, *keys[:1] * pad, *values, *values[:1] * pad, dims],
                         template=list(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
                         output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import records_served
@@ -69,7 +70,7 @@ class ServedMoe(Served):
                   for name in ("gate_proj", "up_proj", "down_proj")}
         dims = {"experts": experts, "top_k": inner.top_k, "norm": inner.norm_topk_prob,
                 "scale": inner.routed_scaling_factor, "bias": "expert_bias" in inner}
-        scale = mx.array([inner.routed_scaling_factor], mx.float32)
+        scale = kernel_array([inner.routed_scaling_factor], "float32")
 
         def route(logits: mx.array) -> tuple[mx.array, mx.array]:
             arrays = {"logits": logits, "scale": scale}
