@@ -45,26 +45,15 @@ def kernel_array(values, dtype) -> "mx.array":
     SMALLEST_BUFFER bytes. MLX's CUDA allocator puts arrays of 8 bytes or less in one managed-memory pool whose pages
     the host writes for every new scalar, so a kernel reading one there waits on the page's move to the device (about
     13 us a launch on the H200, docs/gpu.md); a buffer of its own stays on the device once read."""
-    return _padded(values, dtype, lambda buffer: buffer)
-
-
-def step_array(values, dtype) -> "mx.array":
-    """An array a forward's kernels read again and again (row positions, row maps), copied once into the device's
-    own memory: MLX makes an array from host values in managed memory, and a kernel that reads one the host has just
-    written waits on its page at every launch (about 8 us on the H200, docs/gpu.md); the copy waits once."""
-    return _padded(values, dtype, lambda buffer: buffer + 0)  # an op's output over 8 bytes lies in device memory
-
-
-def _padded(values, dtype, place) -> "mx.array":
-    """`values` (any shape) read from the front of `place(buffer)`, a buffer of at least SMALLEST_BUFFER bytes."""
     import mlx.core as mx
 
-    host = np.asarray(values, dtype=dtype)
-    if os.environ.get(PAD_ENV, "1") == "0":
+    host = np.asarray(values, dtype=dtype).reshape(-1)
+    size = host.size
+    if os.environ.get(PAD_ENV, "1") == "0" or host.nbytes >= SMALLEST_BUFFER:
         return mx.array(host)
-    flat = np.zeros(max(host.size, -(-SMALLEST_BUFFER // host.itemsize)), host.dtype)
-    flat[:host.size] = host.reshape(-1)
-    return place(mx.array(flat))[:host.size].reshape(host.shape)  # views: the kernel reads the padded buffer
+    padded = np.zeros(-(-SMALLEST_BUFFER // host.itemsize), host.dtype)
+    padded[:size] = host
+    return mx.array(padded)[:size]  # a view: the kernel reads the padded buffer, the shape is `values`'
 
 
 def int_array(values):

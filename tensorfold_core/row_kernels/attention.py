@@ -11,7 +11,7 @@ from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, S
     oversize_threadgroup, swap, variant
 
 from .attention_sources import CUDA, METAL
-from tensorfold_contract.helpers import EPS32, WIDEST, kernel_array, mx_dtype, rounded, step_array
+from tensorfold_contract.helpers import EPS32, WIDEST, kernel_array, mx_dtype, rounded
 from tensorfold_contract.kernel_text import build as build_kernel
 
 SPLIT = 256  # keys a split: split s holds the absolute positions s*SPLIT .. s*SPLIT+SPLIT-1, whatever the call
@@ -155,7 +155,9 @@ def _source_attention(kind: str, q, k, v, offset: int, scale: float, window: int
 @functools.lru_cache(maxsize=256)
 def _dims(*values: int):
     """The dims a call reads, made once for all the layers of a forward (the offset moves each token)."""
-    return step_array(values, np.int32)
+    import mlx.core as mx
+
+    return mx.array(values, mx.int32)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -19,7 +19,7 @@ from .attention import (CUDA_DROPPED_LAST_KEY, CUDA_WARPS_REVERSED_WHEN_MANY, LO
                         SMALL, SPLIT, STALE, VMAX, WIDE, _attend, _geometry, _scale, tolerance)
 from .attention import shape as single_stream_shape
 from .attention_sources import CUDA_STREAMS, METAL_STREAMS, STREAM_SLOTS
-from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded, step_array
+from tensorfold_contract.helpers import WIDEST, mx_dtype, rounded
 from tensorfold_contract.kernel_text import build as build_kernel, narrowed
 
 
@@ -61,9 +61,11 @@ class Packed:
 
 def packed(spans: Sequence[tuple[int, int, int]]) -> Packed:
     """The rowmap of streams whose windows sit at (start, rows, offset) in the packed rows, slots in order."""
+    import mlx.core as mx
+
     rows = [(slot, offset + i, start) for slot, (start, n, offset) in enumerate(spans) for i in range(n)]
-    # streams with no rows keep their slot (a contract case's prefix of rows), and name no row; every layer reads it
-    return Packed(tuple(spans), step_array(np.array(rows, np.int32).reshape(-1, 3), np.int32))
+    # streams with no rows keep their slot (a contract case's prefix of rows), and name no row
+    return Packed(tuple(spans), mx.array(np.array(rows, np.int32).reshape(-1, 3)))
 
 
 def mlx_streams_attention(q, kn, vn, keys: Sequence, values: Sequence, streams: Packed, layer: int, scale: float,

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from tensorfold_contract.helpers import step_array
+from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
@@ -87,9 +87,9 @@ class RoPE(nn.Module):
 
 
 def row_positions(spans: Sequence[Span]) -> mx.array:
-    """Each packed row's absolute position in its stream, once a forward for every layer's rope (in the device's
-    memory: step_array)."""
-    return step_array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], "int32")
+    """Each packed row's absolute position in its stream, once a forward for every layer's rope (a one-row step's
+    too in a buffer of its own: kernel_array)."""
+    return kernel_array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], "int32")
 
 
 StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)

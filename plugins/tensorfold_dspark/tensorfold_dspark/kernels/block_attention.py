@@ -17,7 +17,7 @@ import numpy as np
 
 from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, Source, Tolerance, \
     oversize_threadgroup, swap, variant
-from tensorfold_contract.helpers import EPS32, mx_dtype, rounded, step_array
+from tensorfold_contract.helpers import EPS32, kernel_array, mx_dtype, rounded
 from tensorfold_contract.kernel_text import build as build_kernel
 from tensorfold_core.row_kernels.attention import GROUPS, SPLIT, STALE, THREADS, VMAX
 
@@ -103,8 +103,8 @@ def _geometry(rows: int, heads: int, dim: int) -> Launch:
 
 @functools.lru_cache(maxsize=256)
 def _small(values: tuple, dtype: str):
-    """A small array a call reads (dims, scale), made once for every layer's call of a hold, in device memory."""
-    return step_array(values, dtype)
+    """A small array a call reads (dims, scale), made once for every layer's call of a hold."""
+    return kernel_array(values, dtype)
 
 
 def _kernel_inputs(q, context_keys, context_values, n: int, block_keys, block_values, scale: float) -> list:
