@@ -7,7 +7,6 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
@@ -87,9 +86,10 @@ class RoPE(nn.Module):
 
 
 def row_positions(spans: Sequence[Span]) -> mx.array:
-    """Each packed row's absolute position in its stream, once a forward for every layer's rope (a one-row step's
-    too in a buffer of its own: kernel_array)."""
-    return kernel_array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], "int32")
+    """Each packed row's absolute position in its stream, once a forward for every layer's rope. A plain host array:
+    padded into a buffer of its own (kernel_array), a fresh one each step cost the rope more on the H200 than MLX's
+    shared small pool does (docs/gpu.md)."""
+    return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
 
 
 StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
