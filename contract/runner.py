@@ -59,10 +59,8 @@ def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, dev
             return kernel
 
     if jobs > 1:  # each record's work is in its own child: the threads here only wait on their pipes
-        first = sorted(chosen, key=_weight, reverse=True)  # the heaviest start first; the light fill in beside them
         with ThreadPoolExecutor(jobs) as pool:
-            done = dict(zip(map(id, first), pool.map(one, first)))
-        report.kernels = [done[id(reg)] for reg in chosen]  # the report keeps the registered order
+            report.kernels = list(pool.map(one, chosen))
     else:
         report.kernels = [one(reg) for reg in chosen]
     return report
@@ -74,10 +72,3 @@ class NoMatch(OptionError):
     def __init__(self, only: list, known: list):
         super().__init__(f"--only {' '.join(only)} matches no kernel, family, plugin or distribution "
                          f"(registered: {', '.join(known) or 'none'})")
-
-
-def _weight(reg: Registered) -> int:
-    """A record's expected time, in shapes (heavy ones twice): on CUDA each shape compiles MLX's own kernels, and the
-    widest records (the GEMVs) take minutes there; started last, one of them alone outlasts the rest of the run."""
-    shapes = reg.record.shapes if reg.record is not None else ()
-    return sum(2 if shape.heavy else 1 for shape in shapes)

@@ -426,27 +426,3 @@ def test_isolated_lanes_put_each_implementation_this_device_runs_beside_the_othe
     assert lanes_of(steps, ("mlx", "cuda")) == [[Step("mlx"), Step("metal"), Step("mlx", 0), Step("metal", 2)],
                                                 [Step("cuda"), Step("cuda", 1), Step("cuda", 3)]]
     assert lanes_of(steps, ("mlx",)) == [steps]  # the CPU: one child walks the record in order, as before
-
-
-def test_records_side_by_side_start_the_widest_first_and_report_in_registered_order(monkeypatch):
-    import threading
-
-    import tensorfold_contract.runner as runner
-    from tensorfold_contract.steps import new_result
-
-    started, lock, both = [], threading.Lock(), threading.Barrier(2, timeout=30)
-
-    def recorded(reg, index, device, seed, progress):
-        with lock:
-            started.append(reg.record.name)
-        if len(started) <= 2:
-            both.wait()  # the first two hold their slots until both have started: no third can slip in
-        return new_result(reg)
-
-    monkeypatch.setattr(runner, "run_record_isolated", recorded)
-    only = ["llama rmsnorm", "llama greedy argmax", "llama gemv bf16", "llama stack kv", "llama window attention"]
-    report = runner.run_contract(only=only, seed=1, isolate=True, jobs=2)
-    assert set(started[:2]) == {"llama gemv bf16", "llama window attention"}  # 19 and 10 shapes; the rest 3-6
-    reported = [k.name for k in report.kernels]
-    assert sorted(reported) == sorted(only)
-    assert reported.index("llama rmsnorm") < reported.index("llama gemv bf16") < reported.index("llama stack kv")
