@@ -47,13 +47,13 @@ def kernel_array(values, dtype) -> "mx.array":
     13 us a launch on the H200, docs/gpu.md); a buffer of its own stays on the device once read."""
     import mlx.core as mx
 
-    host = np.asarray(values, dtype=dtype).reshape(-1)
-    size = host.size
+    host = np.asarray(values, dtype=dtype)
     if os.environ.get(PAD_ENV, "1") == "0" or host.nbytes >= SMALLEST_BUFFER:
         return mx.array(host)
     padded = np.zeros(-(-SMALLEST_BUFFER // host.itemsize), host.dtype)
-    padded[:size] = host
-    return mx.array(padded)[:size]  # a view: the kernel reads the padded buffer, the shape is `values`'
+    padded[:host.size] = host.reshape(-1)
+    flat = mx.array(padded)[:host.size]  # a view: the kernel reads the padded buffer
+    return flat if host.ndim == 1 else flat.reshape(host.shape)
 
 
 def int_array(values):
