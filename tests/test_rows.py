@@ -52,6 +52,19 @@ def test_a_window_s_draws_equal_each_row_drawn_alone_from_its_own_context():
     assert cut == alone[:3]  # up to and including the first draw that differs from its draft
 
 
+def test_a_repetition_penalty_near_zero_sends_a_seen_positive_logit_to_inf_without_a_warning():
+    import warnings
+
+    stage = RowStage([5], VOCAB, Penalties(repetition=1e-308))
+    row = np.zeros(VOCAB, np.float32)
+    row[5] = 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = stage.process(row)
+    assert out[5] == np.inf and np.isfinite(np.delete(out, 5)).all()
+    assert draw(out, SamplingParams(), seed=None, position=0) == 5
+
+
 def test_penalties_and_bias_follow_the_openai_and_vllm_rules():
     row = np.linspace(-2, 2, VOCAB).astype(np.float32)
     stage = RowStage([20, 21], VOCAB, PENALTIES)

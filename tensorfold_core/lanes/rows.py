@@ -97,7 +97,8 @@ class RowStage:
                 seen[ids] = True
             if p.repetition != 1.0:
                 hit = out[seen]
-                out[seen] = np.where(hit > 0, hit / p.repetition, hit * p.repetition)
+                with np.errstate(over="ignore"):  # a penalty near 0 sends a logit to inf, which the draw handles
+                    out[seen] = np.where(hit > 0, hit / p.repetition, hit * p.repetition)
             if p.presence or p.frequency:
                 out -= p.frequency * counts + p.presence * (counts > 0)
         if self.constraint is not None:
