@@ -28,6 +28,7 @@ class GateResult:
     detail: str = ""
     problems: list = field(default_factory=list)  # gate 5: (limits name, problem) pairs
     failures: list = field(default_factory=list)  # gates 1-4: (shape label, why) of each red shape
+    seconds: float | None = None  # how long the gate took, where it ran (an implementation's gates 1-4)
 
     @property
     def red(self) -> bool:
@@ -39,6 +40,8 @@ class GateResult:
             out["problems"] = [{"limits": name, "problem": text} for name, text in self.problems]
         elif self.failures:
             out["failed"] = [label for label, _ in self.failures]
+        if self.seconds is not None:
+            out["seconds"] = round(self.seconds, 3)
         return out
 
     @classmethod
@@ -47,7 +50,7 @@ class GateResult:
         problems = [(p["limits"], p["problem"]) for p in data.get("problems", [])]
         failures = [tuple(f) for f in data["failures"]] if "failures" in data else \
             [(label, data.get("detail", "")) for label in data.get("failed", [])]
-        return cls(gate, data["status"], data.get("detail", ""), problems, failures)
+        return cls(gate, data["status"], data.get("detail", ""), problems, failures, data.get("seconds"))
 
 
 def _failed(gate: int, failures: list[tuple[str, str]]) -> GateResult:
