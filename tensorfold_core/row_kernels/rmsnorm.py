@@ -52,7 +52,7 @@ for (uint i = tid; i < (uint)d; i += n) {
   ss = metal::fma(v, v, ss);
 }
 for (ushort o = 16; o > 0; o >>= 1) ss += simd_shuffle_xor(ss, o);
-if (simd_lane_id == 0) part[simd_group_id] = ss;
+if (thread_index_in_simdgroup == 0) part[simdgroup_index_in_threadgroup] = ss;
 threadgroup_barrier(mem_flags::mem_threadgroup);
 float total = 0.0f;
 for (uint k = 0; k < n / 32; ++k) total += part[k];

@@ -44,12 +44,12 @@ for (uint j = tid; j < (uint)width; j += n) {
   acc = metal::fma(static_cast<float>(features[(size_t)row * width + j]), static_cast<float>(w[j]), acc);
 }
 for (ushort o = 16; o > 0; o >>= 1) acc += simd_shuffle_xor(acc, o);
-if (simd_lane_id == 0) part[simd_group_id] = acc;
+if (thread_index_in_simdgroup == 0) part[simdgroup_index_in_threadgroup] = acc;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-if (simd_group_id == 0) {
-  float dot = simd_lane_id < n / 32 ? part[simd_lane_id] : 0.0f;
+if (simdgroup_index_in_threadgroup == 0) {
+  float dot = thread_index_in_simdgroup < n / 32 ? part[thread_index_in_simdgroup] : 0.0f;
   for (ushort o = 16; o > 0; o >>= 1) dot += simd_shuffle_xor(dot, o);
-  if (simd_lane_id == 0) {
+  if (thread_index_in_simdgroup == 0) {
     const float logit = dot + static_cast<float>(bias[0]);
     // precise: under fast math exp(-logit) past float32's range must still give inf (a confidence of 0), not junk
     out[row] = 1.0f / (1.0f + metal::precise::exp(-logit));

@@ -77,7 +77,12 @@ for (ushort o = 16; o > 0; o >>= 1) {
   hasnan |= simd_shuffle_xor(hasnan, o);
   if (TF_BETTER(ob, oi, best, idx)) { best = ob; idx = oi; }
 }
-if (simd_lane_id == 0) { wbest[simd_group_id] = best; widx[simd_group_id] = idx; wnan[simd_group_id] = hasnan; }
+if (thread_index_in_simdgroup == 0) {
+  const uint warp = simdgroup_index_in_threadgroup;
+  wbest[warp] = best;
+  widx[warp] = idx;
+  wnan[warp] = hasnan;
+}
 threadgroup_barrier(mem_flags::mem_threadgroup);
 if (tid == 0) {
   for (int k = 1; k < n / 32; ++k) {

@@ -1,0 +1,152 @@
+"""Check every metal source and planted metal control as C++, wrapped as MLX wraps it, on a machine with no Metal."""
+
+# MLX's metal_kernel wraps a body in a signature of its own (mlx/backend/common/metal_kernel.cpp): a template over
+# the launch's template arguments, an argument per input and output, and an argument for each thread attribute whose
+# name the body holds. This writes that text over a C++ stand-in for the Metal Shading Language (metal_shim.py) and
+# has the host's C++ compiler check its syntax and types, so a kernel author learns of an undeclared name or a type
+# slip before the kernel meets an Apple GPU. It proves nothing of what the kernel computes: the contract's gates do.
+#     python -m tensorfold_contract.metal [--only NAME] [--quick] [--compiler g++]
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from .gates import _kernel_name, make_case
+from .kernel_text import served_text
+from .metal_shim import SHIM
+from .record import Source
+from .registry import discover
+
+_TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+          "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+          "float16": "float16_t", "bfloat16": "bfloat16_t", "float32": "float"}
+
+# The thread attributes MLX 0.32's metal_kernel declares, with their types: a body may name these and no others.
+ATTRIBUTES = {"dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
+              "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
+              "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
+              "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
+              "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint",
+              "thread_index_in_simdgroup": "uint", "thread_index_in_threadgroup": "uint",
+              "thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
+              "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3",
+              "threads_per_simdgroup": "uint", "threads_per_threadgroup": "uint3"}
+
+
+def mtype(dtype) -> str:
+    return _TYPES[str(dtype).rsplit(".", 1)[-1]]
+
+
+def generated(source: Source, name: str, inputs: list, launch) -> str:
+    """The kernel text MLX's metal_kernel writes for this source, these inputs and this launch (less its Metal
+    prelude, which the shim stands in for)."""
+    body, header = served_text(source.body), served_text(source.header)
+    params = []
+    for arg, a in zip(source.input_names, inputs):
+        space = "constant" if a.size < 8 else "device"  # MLX passes an array of fewer than 8 elements as constant
+        params.append(f"  const {space} {mtype(a.dtype)}{'&' if a.ndim == 0 else '*'} {arg}")
+        if a.ndim > 0:
+            for suffix, kind in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
+                                 ("_ndim", "const constant int&")):
+                if arg + suffix in body:
+                    params.append(f"  {kind} {arg}{suffix}")
+    params += [f"  device {mtype(d)}* {out}" for out, d in zip(source.output_names, launch.output_dtypes)]
+    params += [f"  {kind} {attr}" for attr, kind in ATTRIBUTES.items() if attr in body]
+    text = SHIM + header + "\n"
+    if launch.template:
+        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename"
+                 for _, v in launch.template]
+        text += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, launch.template)) + ">\n"
+    text += f"void {name}(\n" + ",\n".join(params) + ") {\n" + body + "\n}\n"
+    if launch.template:
+        values = ", ".join(("true" if v else "false") if isinstance(v, bool) else str(v) if isinstance(v, int)
+                           else mtype(v) for _, v in launch.template)
+        text += f"template decltype({name}<{values}>) {name}<{values}>;\n"
+    return text
+
+
+def instances(reg, quick: bool) -> list[tuple[str, str]]:
+    """(label, text) for each distinct build the record's metal source and its planted metal controls need."""
+    record = reg.record
+    if not isinstance(record.implementations.get("metal"), Source):
+        return []
+    sources = [("metal", record.implementations["metal"])]
+    sources += [(f"control {c.name!r}", c.plant(record.implementations["metal"])) for c in record.controls
+                if c.kind == "metal" and c.gate != 5]
+    out, seen = [], set()
+    for label, source in sources:
+        for shape in (s for s in (*record.shapes, *record.edges) if not s.heavy and s.rows > 0):
+            for rows in ([min(record.max_rows, shape.rows)] if quick else sorted({1, 2, 9, record.max_rows})):
+                case = make_case(record, shape, rows, np.random.default_rng(0))
+                served = source.at(case)
+                launch = served.launch(case)
+                text = generated(served, _kernel_name("metal", served), served.inputs(case), launch)
+                if text not in seen:
+                    seen.add(text)
+                    out.append((f"{record.name} [{label}] {dict(launch.template)}", text))
+            if quick:
+                break
+    return out
+
+
+def compiler() -> str | None:
+    """The host's C++ compiler: $CXX, else g++ or clang++ on PATH; None where there is none."""
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def check_one(text: str, cxx: str) -> tuple[bool, str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
+        f.write(text)
+    try:
+        done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", f.name], capture_output=True,
+                              text=True)
+        return done.returncode == 0, done.stdout + done.stderr
+    finally:
+        os.unlink(f.name)
+
+
+def check(only=(), quick: bool = False, cxx: str | None = None) -> list[tuple[str, bool, str]]:
+    """(label, ok, compiler output) of each build of the chosen records' metal sources and controls."""
+    cxx = cxx or compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++ or clang++)")
+    jobs = [job for reg in discover() if reg.record is not None and (not only or reg.matches(list(only)))
+            for job in instances(reg, quick)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(lambda job: check_one(job[1], cxx), jobs))
+    return [(label, ok, log) for (label, _), (ok, log) in zip(jobs, results)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tensorfold_contract.metal", description=__doc__)
+    parser.add_argument("--only", action="append", default=[], help="a kernel, family or plugin name (globs)")
+    parser.add_argument("--quick", action="store_true", help="one build per source text (the widest window)")
+    parser.add_argument("--compiler", help="the C++ compiler (default: $CXX, g++ or clang++)")
+    args = parser.parse_args(argv)
+    try:
+        results = check(args.only, args.quick, args.compiler)
+    except RuntimeError as exc:
+        print(f"tensorfold_contract.metal: {exc}", file=sys.stderr)
+        return 2
+    for label, ok, log in results:
+        print(f"{'ok  ' if ok else 'FAIL'} {label}")
+        if not ok:
+            print("\n".join(line for line in log.splitlines() if "error" in line)[:2000])
+    failed = sum(not ok for _, ok, _ in results)
+    print(f"{len(results) - failed} of {len(results)} metal builds checked as C++")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

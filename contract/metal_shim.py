@@ -1,0 +1,99 @@
+"""The part of the Metal Shading Language the records' metal sources use, as C++17 a host compiler checks."""
+
+# Not Metal: address spaces vanish, SIMD functions return their argument, a barrier does nothing. What it keeps is
+# what a syntax and type check needs: MSL's names, its scalar and vector types, and one overload a type for the
+# math functions (so `metal::min(int, uint)` is as ambiguous here as there). A name MLX does not declare (a thread
+# attribute it never adds, a helper no header defines) fails here as it would fail on an Apple GPU.
+
+SHIM = r"""
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#define INFINITY __builtin_inff()
+#define NAN __builtin_nanf("")
+
+#define device
+#define constant
+#define thread
+#define threadgroup
+
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+typedef unsigned long ulong;
+
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f);
+  operator float() const;
+};
+struct half {
+  uint16_t bits;
+  half() = default;
+  half(float f);
+  operator float() const;
+};
+typedef bfloat16_t bfloat;
+typedef half float16_t;
+
+template <typename S, int N>
+struct tf_vec {
+  S x, y, z, w;
+  tf_vec() = default;
+  explicit tf_vec(S all);
+  tf_vec(S a, S b);
+  tf_vec(S a, S b, S c);
+  tf_vec(S a, S b, S c, S d);
+  S& operator[](int i);
+  const S& operator[](int i) const;
+};
+#define TF_VECTORS(S) typedef tf_vec<S, 2> S##2; typedef tf_vec<S, 3> S##3; typedef tf_vec<S, 4> S##4;
+TF_VECTORS(uchar) TF_VECTORS(ushort) TF_VECTORS(uint) TF_VECTORS(int) TF_VECTORS(float) TF_VECTORS(half)
+TF_VECTORS(short) TF_VECTORS(char) TF_VECTORS(bool)
+
+namespace metal {
+#define TF_BINARY(name) float name(float, float); half name(half, half); int name(int, int); uint name(uint, uint); \
+  short name(short, short); ushort name(ushort, ushort); long name(long, long); ulong name(ulong, ulong);
+TF_BINARY(min) TF_BINARY(max)
+#define TF_FLOATS1(name) float name(float); half name(half);
+#define TF_FLOATS2(name) float name(float, float); half name(half, half);
+TF_FLOATS2(fmax) TF_FLOATS2(fmin) TF_FLOATS2(pow) TF_FLOATS2(fmod) TF_FLOATS2(atan2)
+TF_FLOATS1(exp) TF_FLOATS1(exp2) TF_FLOATS1(log) TF_FLOATS1(log2) TF_FLOATS1(sqrt) TF_FLOATS1(rsqrt)
+TF_FLOATS1(fabs) TF_FLOATS1(floor) TF_FLOATS1(ceil) TF_FLOATS1(sin) TF_FLOATS1(cos) TF_FLOATS1(tanh)
+TF_FLOATS1(round) TF_FLOATS1(trunc)
+float fma(float, float, float); half fma(half, half, half);
+bool isnan(float); bool isnan(half); bool isinf(float); bool isinf(half); bool isfinite(float);
+int abs(int); float abs(float); half abs(half);
+namespace precise { TF_FLOATS1(exp) TF_FLOATS1(log) TF_FLOATS1(sin) TF_FLOATS1(cos) TF_FLOATS1(sqrt)
+                    TF_FLOATS1(rsqrt) TF_FLOATS1(tanh) TF_FLOATS2(pow) }
+namespace fast { TF_FLOATS1(exp) TF_FLOATS1(log) TF_FLOATS1(sin) TF_FLOATS1(cos) TF_FLOATS1(sqrt) TF_FLOATS1(rsqrt) }
+}  // namespace metal
+using namespace metal;
+
+template <typename T> T simd_shuffle_xor(T value, ushort mask);
+template <typename T> T simd_shuffle(T value, ushort lane);
+template <typename T> T simd_shuffle_down(T value, ushort delta);
+template <typename T> T simd_shuffle_up(T value, ushort delta);
+template <typename T> T simd_broadcast(T value, ushort lane);
+template <typename T> T simd_sum(T value);
+template <typename T> T simd_max(T value);
+template <typename T> T simd_min(T value);
+template <typename T> T simd_prefix_exclusive_sum(T value);
+bool simd_any(bool value);
+bool simd_all(bool value);
+
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+mem_flags operator|(mem_flags a, mem_flags b);
+void threadgroup_barrier(mem_flags flags);
+void simdgroup_barrier(mem_flags flags);
+
+template <typename T, typename U>
+T as_type(U value) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: sizes differ");
+  T out;
+  std::memcpy(&out, &value, sizeof(T));
+  return out;
+}
+"""
