@@ -109,7 +109,7 @@ def check_one(text: str, cxx: str) -> tuple[bool, str]:
     with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
         f.write(text)
     try:
-        done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", f.name], capture_output=True,
+        done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Werror=vla", f.name], capture_output=True,
                               text=True)
         return done.returncode == 0, done.stdout + done.stderr
     finally:

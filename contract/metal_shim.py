@@ -1,9 +1,10 @@
 """The part of the Metal Shading Language the records' metal sources use, as C++17 a host compiler checks."""
 
-# Not Metal: address spaces vanish, SIMD functions return their argument, a barrier does nothing. What it keeps is
+# Not Metal: address spaces vanish, and the SIMD functions and barriers are declared, never defined. What it keeps is
 # what a syntax and type check needs: MSL's names, its scalar and vector types, and one overload a type for the
 # math functions (so `metal::min(int, uint)` is as ambiguous here as there). A name MLX does not declare (a thread
-# attribute it never adds, a helper no header defines) fails here as it would fail on an Apple GPU.
+# attribute it never adds, a helper no header defines, a double, an array sized at run time) fails here as it would
+# on an Apple GPU.
 
 SHIM = r"""
 #include <cstddef>
@@ -13,6 +14,7 @@ SHIM = r"""
 #define INFINITY __builtin_inff()
 #define NAN __builtin_nanf("")
 
+#define double metal_has_no_double  // a kernel taking one fails here as on an Apple GPU
 #define device
 #define constant
 #define thread

@@ -46,13 +46,16 @@ def test_a_body_naming_a_thread_attribute_mlx_never_declares_fails_the_check():
 
 
 @needs_compiler
-def test_a_type_slip_fails_the_check():
+@pytest.mark.parametrize("edit, found", [(("metal::fma(v, v, ss)", "metal::fma(v, v)"), "fma"),
+                                         (("float ss = 0.0f;", "double ss = 0.0;"), "metal_has_no_double"),
+                                         (("threadgroup float part[32];", "threadgroup float part[d];"), "variable")])
+def test_what_metal_refuses_fails_the_check(edit, found):
     record = _record("llama rmsnorm")
     metal = record.implementations["metal"]
-    slipped = dataclasses.replace(metal, body=metal.body.replace("metal::fma(v, v, ss)", "metal::fma(v, v)"))
+    slipped = dataclasses.replace(metal, body=metal.body.replace(*edit))
     assert slipped.body != metal.body
     ok, log = check_one(_text(record, slipped), compiler())
-    assert not ok and "fma" in log
+    assert not ok and found in log
 
 
 def test_the_wrapper_passes_small_inputs_as_constant_and_declares_only_the_attributes_a_body_names():
