@@ -87,7 +87,7 @@ def test_the_json_report_has_summary_kernels_and_device(llama_report):
                                     "missed", "limit_problems"}
     kernel = next(k for k in data["kernels"] if k["name"] == "llama gemv q4")
     assert kernel["family"] == "llama" and kernel["distribution"] == "tensorfold-llama"
-    assert set(kernel["implementations"]) == {"mlx", "cuda"}
+    assert set(kernel["implementations"]) == {"mlx", "cuda", "metal"}
     gates = kernel["implementations"]["mlx"]["gates"]
     assert set(gates) == {"1", "2", "3", "4", "5"}
     # each gate that ran says how long it took (where a record's time goes); gate 5 is a check of limits, no run

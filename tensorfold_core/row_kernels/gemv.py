@@ -15,7 +15,7 @@ from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, S
 
 from tensorfold_contract.helpers import BF16_ULP, EPS32, bf16, groups, int_array, mx_dtype
 
-from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_BF16_HEADER, CUDA_FOLD, METAL_BF16
+from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_BF16_HEADER, CUDA_FOLD, METAL_AFFINE, METAL_BF16
 
 THREADS = 128  # four warps a group (affine)
 WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input steps w, w + 8, ... of every column
@@ -184,7 +184,8 @@ def source(kind: str, bits: int) -> Source:
     if bits == 16:
         return Source("gemv16", names, ("y",), METAL_BF16 if kind == "metal" else CUDA_BF16, inputs=_inputs_for(16),
                       launch=_launch_bf16, header="" if kind == "metal" else CUDA_BF16_HEADER)
-    return Source(f"gemv{bits}", names, ("y",), CUDA_AFFINE, inputs=_inputs_for(bits), launch=_launch_affine_for(bits))
+    return Source(f"gemv{bits}", names, ("y",), METAL_AFFINE if kind == "metal" else CUDA_AFFINE,
+                  inputs=_inputs_for(bits), launch=_launch_affine_for(bits))
 
 
 def fp16_chunks(case):
@@ -330,8 +331,9 @@ def record(family: str, bits: int, shapes: tuple[Shape, ...]) -> KernelRecord:
             Control("row-count-dependent reduction order", "mlx", 4, variant(split_when_many_for(bits))),
             Control("packed values read in the wrong order", "cuda", 2, swap(*nibble)),
             *cuda,
+            Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
         ]
-        impls = {"mlx": mlx_for(bits), "cuda": source("cuda", bits)}
+        impls = {"mlx": mlx_for(bits), "cuda": source("cuda", bits), "metal": source("metal", bits)}
     return KernelRecord(name=f"{family} gemv {label}", implementations=impls, controls=tuple(controls),
                         description=f"y = x w^T for any number of rows, {label} weights, fp32 sums rounded once to the "
                                     "output dtype (bf16 served, fp32 at edges); each row's result independent of the "

@@ -270,3 +270,62 @@ for (int m = 0; m < MT; ++m) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 """
+
+METAL_AFFINE = """
+// The CUDA affine kernel's decomposition: one simdgroup per COLS output columns of one row group of MAXR rows; lane
+// l takes the 8-input chunks l, l + 32, ...; each (row, column) one fp32 chain of FMAs in chunk order, each weight
+// scale * q + bias in fp32 as the CUDA kernel forms it, folded across lanes by the same xor tree. MLX's affine layout:
+// BITS-bit values packed low bits first in uint32 words, one bf16 scale and bias per GROUP inputs; K is a multiple of
+// GROUP, and GROUP of 8, so a chunk sits in one group.
+const int N = dims[1];
+const int K = dims[2];
+const int row_groups = (dims[0] + MAXR - 1) / MAXR;
+const int lane = (int)thread_index_in_simdgroup;
+// simdgroups in grid order, as the CUDA kernel counts its warps: neighbours share their columns (row groups vary
+// fastest), so the weights they re-read come from the cache
+const int per_group = (int)threads_per_threadgroup.x / 32;
+const int gw = (int)threadgroup_position_in_grid.x * per_group + (int)simdgroup_index_in_threadgroup;
+const int row0 = (gw % row_groups) * MAXR;
+const int col0 = (gw / row_groups) * COLS;
+if (col0 >= N) return;
+const int rows = metal::min(MAXR, dims[0] - row0);
+const int words = K * BITS / 32;
+const int per_row = K / GROUP;
+const int chunks = K / 8;
+float acc[MAXR][COLS];
+for (int r = 0; r < MAXR; ++r) {
+  for (int c = 0; c < COLS; ++c) acc[r][c] = 0.0f;
+}
+for (int t = lane; t < chunks; t += 32) {
+  float wv[COLS][8];
+  const int g = (t * 8) / GROUP;
+  for (int c = 0; c < COLS; ++c) {
+    const int col = metal::min(col0 + c, N - 1);  // a column past N repeats the last one; it is never stored
+    const float s = static_cast<float>(scales[(size_t)col * per_row + g]);
+    const float b = static_cast<float>(biases[(size_t)col * per_row + g]);
+    if (BITS == 4) {
+      const uint q = wq[(size_t)col * words + t];
+      for (int j = 0; j < 8; ++j) wv[c][j] = metal::fma(s, (float)((q >> (4 * j)) & 15u), b);
+    } else {
+      const uint2 q = ((const device uint2*)(wq + (size_t)col * words))[t];
+      for (int j = 0; j < 4; ++j) {
+        wv[c][j] = metal::fma(s, (float)((q.x >> (8 * j)) & 255u), b);
+        wv[c][4 + j] = metal::fma(s, (float)((q.y >> (8 * j)) & 255u), b);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < 8; ++j) {
+      const float xv = static_cast<float>(x[(size_t)(row0 + r) * K + t * 8 + j]);
+      for (int c = 0; c < COLS; ++c) acc[r][c] = metal::fma(xv, wv[c][j], acc[r][c]);
+    }
+  }
+}
+for (int r = 0; r < rows; ++r) {
+  for (int c = 0; c < COLS; ++c) {
+    float v = acc[r][c];
+    for (ushort o = 16; o > 0; o >>= 1) v += simd_shuffle_xor(v, o);
+    if (lane == 0 && col0 + c < N) y[(size_t)(row0 + r) * N + col0 + c] = static_cast<T>(v);
+  }
+}
+"""

@@ -8,8 +8,8 @@ from tensorfold_core.kernels import BUILTIN
 # then each row's picks in order, so no row's product depends on which rows chose the same expert).
 OPS = {
     "projection bf16": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16", "metal": "lfm2 gemv bf16"},
-    "projection q4": {"cpu": BUILTIN, "cuda": "lfm2 gemv q4", "metal": BUILTIN},
-    "projection q8": {"cpu": BUILTIN, "cuda": "lfm2 gemv q8", "metal": BUILTIN},
+    "projection q4": {"cpu": BUILTIN, "cuda": "lfm2 gemv q4", "metal": "lfm2 gemv q4"},
+    "projection q8": {"cpu": BUILTIN, "cuda": "lfm2 gemv q8", "metal": "lfm2 gemv q8"},
     "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "lfm2 rmsnorm"},  # row-invariant on CUDA, as llama's
     "attention": {"cpu": BUILTIN, "cuda": "lfm2 window attention", "metal": "lfm2 window attention"},
     "short conv": {"cpu": BUILTIN, "cuda": "lfm2 stream conv", "metal": "lfm2 stream conv"},

@@ -22,8 +22,8 @@ OPS = {
     "projection bf16 rmsnorm": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm", "metal": "llama gemv bf16 rmsnorm"},
     "projection bf16 rmsnorm swiglu": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm gate|up swiglu",
                                        "metal": "llama gemv bf16 rmsnorm gate|up swiglu"},
-    "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": BUILTIN},
-    "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": BUILTIN},
+    "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": "llama gemv q4"},
+    "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": "llama gemv q8"},
     # MLX's fast rms_norm is row-invariant on CUDA (the record's mlx implementation passes gate 4 there, and the load
     # probe with it): it serves, a launch cheaper than the record's
     "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "llama rmsnorm"},
