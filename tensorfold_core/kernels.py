@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Mapping
 
 from .errors import OptionError
@@ -63,13 +64,24 @@ def _label(name: str, on: str) -> str:
 def records_served(table: Mapping[str, Mapping[str, str]], records: Callable[[], list]) -> tuple[dict, str, dict]:
     """What a family's forward serves here: (op -> the kernel record serving it, the records' implementation kind,
     op -> its label for `Model.kernels`). `records` (the plugin's, loading MLX and the contract) is called only
-    where some op is served by a record; an op whose record has no implementation for this backend stays built-in."""
+    where some op is served by a record; an op whose record has no implementation for this backend, or whose
+    implementation misses its reference in the load self-test (tensorfold_contract.selftest), stays built-in."""
     here = backend()
     choice, kind = served(table, here), RECORDS_KIND[here]
     by_name = {record.name: record for record in records()} if any(n != BUILTIN for n in choice.values()) else {}
     usable = {op: by_name[name] for op, name in choice.items()
               if name != BUILTIN and kind in by_name[name].implementations}
     labels = {op: (f"{name} ({kind})" if op in usable else BUILTIN) for op, name in choice.items()}
+    if usable:
+        from tensorfold_contract.selftest import failures
+
+        failed = failures(list({id(r): r for r in usable.values()}.values()), kind)
+        for op in [op for op, record in usable.items() if record.name in failed]:
+            name = usable.pop(op).name
+            labels[op] = f"{BUILTIN} ({name} ({kind}) failed its load self-test)"
+            warnings.warn(f"{op}: the kernel record {name!r} ({kind}) missed its float64 reference on this "
+                          f"machine ({failed[name]}); MLX's own op serves it instead (`tensorfold contract --only "
+                          f"{name!r}` shows more)", RuntimeWarning, stacklevel=2)
     return usable, kind, labels
 
 
