@@ -78,8 +78,8 @@ def test_a_table_naming_a_record_its_plugin_lacks_or_a_backend_it_cannot_run_is_
     from tensorfold_core.kernels import missing_records
     from tensorfold_llama.kernels import records
 
-    table = {"projection bf16": {"cpu": "mlx", "cuda": "llama gemv bf16", "metal": "llama gemv q4"},
+    table = {"projection bf16": {"cpu": "mlx", "cuda": "llama gemv bf16", "metal": "llama keyed draw"},
              "norm": {"cpu": "mlx", "cuda": "llama layernorm"}}
     assert missing_records(table, records()) == [
-        "projection bf16 on metal: 'llama gemv q4' has no metal implementation", "norm: no metal column",
+        "projection bf16 on metal: 'llama keyed draw' has no metal implementation", "norm: no metal column",
         "norm on cuda: no record 'llama layernorm'"]
