@@ -17,13 +17,11 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-
-from .gates import _kernel_name, make_case
 from .kernel_text import served_text
 from .metal_shim import SHIM
 from .record import Source
 from .registry import discover
+from .texts import builds
 
 _TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
           "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
@@ -75,26 +73,9 @@ def generated(source: Source, name: str, inputs: list, launch) -> str:
 
 def instances(reg, quick: bool) -> list[tuple[str, str]]:
     """(label, text) for each distinct build the record's metal source and its planted metal controls need."""
-    record = reg.record
-    if not isinstance(record.implementations.get("metal"), Source):
+    if not isinstance(reg.record.implementations.get("metal"), Source):
         return []
-    sources = [("metal", record.implementations["metal"])]
-    sources += [(f"control {c.name!r}", c.plant(record.implementations["metal"])) for c in record.controls
-                if c.kind == "metal" and c.gate != 5]
-    out, seen = [], set()
-    for label, source in sources:
-        for shape in (s for s in (*record.shapes, *record.edges) if not s.heavy and s.rows > 0):
-            for rows in ([min(record.max_rows, shape.rows)] if quick else sorted({1, 2, 9, record.max_rows})):
-                case = make_case(record, shape, rows, np.random.default_rng(0))
-                served = source.at(case)
-                launch = served.launch(case)
-                text = generated(served, _kernel_name("metal", served), served.inputs(case), launch)
-                if text not in seen:
-                    seen.add(text)
-                    out.append((f"{record.name} [{label}] {dict(launch.template)}", text))
-            if quick:
-                break
-    return out
+    return [(label, text) for label, text, _ in builds(reg.record, "metal", generated, quick)]
 
 
 def compiler() -> str | None:

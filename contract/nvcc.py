@@ -17,12 +17,10 @@ import sys
 import tempfile
 import zipfile
 
-import numpy as np
-
-from .gates import _kernel_name, make_case
 from .kernel_text import served_text
 from .record import Source
 from .registry import discover
+from .texts import builds
 
 _CTYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
            "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
@@ -73,29 +71,8 @@ REGISTERS_A_BLOCK = 65536  # what one block may hold on sm_90: a launch asking m
 def instances(reg, quick: bool) -> list[tuple[str, str, int, int]]:
     """(label, text, declared static shared bytes, threads a block) for each distinct build the record's cuda
     sources need."""
-    record = reg.record
-    sources = [("cuda", record.implementations["cuda"])] if "cuda" in record.implementations else []
-    for control in record.controls:
-        if control.kind == "cuda" and control.gate != 5:
-            sources.append((f"control {control.name!r}", control.plant(record.implementations["cuda"])))
-    out, seen = [], set()
-    for label, source in sources:
-        rows_list = [record.max_rows] if quick else sorted({1, 2, 3, 5, 9, record.max_rows})
-        for shape in (s for s in (*record.shapes, *record.edges) if not s.heavy and s.rows > 0):
-            for rows in rows_list:
-                case_rows = min(rows, shape.rows) if quick else rows
-                case = make_case(record, shape, case_rows, np.random.default_rng(0))
-                served = source.at(case)
-                launch = served.launch(case)
-                text = generated(served, _kernel_name("cuda", served), served.inputs(case), launch)
-                if text not in seen:
-                    seen.add(text)
-                    threads = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2]
-                    out.append((f"{record.name} [{label}] {dict(launch.template)}", text, launch.static_shared,
-                                threads))
-            if quick:
-                break
-    return out
+    return [(label, text, launch.static_shared, launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2])
+            for label, text, launch in builds(reg.record, "cuda", generated, quick)]
 
 
 def compile_one(text: str, include: str, arch: str) -> tuple[bool, str]:
