@@ -42,9 +42,9 @@ SMALLEST_BUFFER = 16  # bytes: MLX's CUDA allocator serves 8 or fewer from one s
 
 def kernel_array(values, dtype) -> "mx.array":
     """A small constant a kernel reads (sizes, a scale, an eps), `values` as they are, in a buffer of at least
-    SMALLEST_BUFFER bytes. MLX's CUDA allocator puts arrays of 8 bytes or less in one managed-memory pool whose pages
-    the host writes for every new scalar, so a kernel reading one there waits on the page's move to the device (about
-    13 us a launch on the H200, docs/gpu.md); a buffer of its own stays on the device once read."""
+    SMALLEST_BUFFER bytes. MLX's CUDA allocator puts arrays of 8 bytes or less in one managed-memory pool that every
+    new scalar the host makes shares, and a kernel reading one there paid for it at every launch on the H200
+    (docs/gpu.md has the figures); a constant in a buffer of its own did not."""
     import mlx.core as mx
 
     host = np.asarray(values, dtype=dtype)

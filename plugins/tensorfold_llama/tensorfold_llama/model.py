@@ -86,9 +86,9 @@ class RoPE(nn.Module):
 
 
 def row_positions(spans: Sequence[Span]) -> mx.array:
-    """Each packed row's absolute position in its stream, once a forward for every layer's rope. A plain host array:
-    padded into a buffer of its own (kernel_array), a fresh one each step cost the rope more on the H200 than MLX's
-    shared small pool does (docs/gpu.md)."""
+    """Each packed row's absolute position in its stream, once a forward for every layer's rope. A plain host array,
+    not a padded constant (kernel_array): made fresh each step, a padded one cost the rope more on the H200
+    (docs/gpu.md)."""
     return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
 
 
