@@ -314,18 +314,23 @@ for (int t = lane; t < chunks; t += 32) {
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < 8; ++j) {
-      const float xv = static_cast<float>(x[(size_t)(row0 + r) * K + t * 8 + j]);
-      for (int c = 0; c < COLS; ++c) acc[r][c] = metal::fma(xv, wv[c][j], acc[r][c]);
+  // rows to MAXR with a test, not to `rows`: a bound the compiler knows keeps acc in registers
+  for (int r = 0; r < MAXR; ++r) {
+    if (r < rows) {
+      for (int j = 0; j < 8; ++j) {
+        const float xv = static_cast<float>(x[(size_t)(row0 + r) * K + t * 8 + j]);
+        for (int c = 0; c < COLS; ++c) acc[r][c] = metal::fma(xv, wv[c][j], acc[r][c]);
+      }
     }
   }
 }
-for (int r = 0; r < rows; ++r) {
-  for (int c = 0; c < COLS; ++c) {
-    float v = acc[r][c];
-    for (ushort o = 16; o > 0; o >>= 1) v += simd_shuffle_xor(v, o);
-    if (lane == 0 && col0 + c < N) y[(size_t)(row0 + r) * N + col0 + c] = static_cast<T>(v);
+for (int r = 0; r < MAXR; ++r) {
+  if (r < rows) {
+    for (int c = 0; c < COLS; ++c) {
+      float v = acc[r][c];
+      for (ushort o = 16; o > 0; o >>= 1) v += simd_shuffle_xor(v, o);
+      if (lane == 0 && col0 + c < N) y[(size_t)(row0 + r) * N + col0 + c] = static_cast<T>(v);
+    }
   }
 }
 """
