@@ -4,8 +4,9 @@
 # the launch's template arguments, an argument per input and output, and an argument for each thread attribute whose
 # name the body holds. This writes that text over a C++ stand-in for the Metal Shading Language (metal_shim.py) and
 # has the host's C++ compiler check its syntax and types, so a kernel author learns of an undeclared name or a type
-# slip before the kernel meets an Apple GPU. It proves nothing of what the kernel computes: the contract's gates do.
-#     python -m tensorfold_contract.metal [--only NAME] [--quick] [--compiler g++]
+# slip before the kernel meets an Apple GPU. `--emulate` then runs each metal source on the host's threads
+# (metal_emu.py) against its record's reference: what it reads, writes and sums, not Metal's own rounding.
+#     python -m tensorfold_contract.metal [--only NAME] [--quick] [--compiler g++] [--emulate]
 
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def check_one(text: str, cxx: str) -> tuple[bool, str]:
     with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
         f.write(text)
     try:
-        done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Werror=vla", f.name], capture_output=True,
-                              text=True)
+        done = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Werror=vla", f.name],
+                              capture_output=True, text=True)
         return done.returncode == 0, done.stdout + done.stderr
     finally:
         os.unlink(f.name)
@@ -114,7 +115,11 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", default=[], help="a kernel, family or plugin name (globs)")
     parser.add_argument("--quick", action="store_true", help="one build per source text (the widest window)")
     parser.add_argument("--compiler", help="the C++ compiler (default: $CXX, g++ or clang++)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="then run each metal source emulated on its first served shape against its reference")
     args = parser.parse_args(argv)
+    if args.compiler:
+        os.environ["CXX"] = args.compiler
     try:
         results = check(args.only, args.quick, args.compiler)
     except RuntimeError as exc:
@@ -126,6 +131,16 @@ def main(argv=None) -> int:
             print("\n".join(line for line in log.splitlines() if "error" in line)[:2000])
     failed = sum(not ok for _, ok, _ in results)
     print(f"{len(results) - failed} of {len(results)} metal builds checked as C++")
+    if args.emulate and not failed:
+        from .metal_emu import emulated
+
+        chosen = [reg.record for reg in discover() if reg.record is not None and isinstance(
+            reg.record.implementations.get("metal"), Source) and (not args.only or reg.matches(args.only))]
+        for record in chosen:
+            ok, why = emulated(record)
+            failed += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {record.name} [metal, emulated]{'' if ok else ': ' + why}")
+        print(f"{len(chosen) - failed} of {len(chosen)} metal sources matched their references, emulated")
     return 1 if failed else 0
 
 

@@ -1,0 +1,40 @@
+"""Every metal source, run on the host's threads as an emulated threadgroup, matches its record's float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorfold_contract.metal import compiler
+from tensorfold_contract.metal_emu import emulated
+from tensorfold_contract.record import Source
+from tensorfold_contract.registry import discover
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
+METAL = [reg.record for reg in discover() if reg.record is not None
+         and isinstance(reg.record.implementations.get("metal"), Source)]
+
+
+@pytest.mark.parametrize("record", METAL, ids=[r.name for r in METAL])
+def test_the_metal_source_run_emulated_matches_its_reference(record):
+    ok, why = emulated(record)
+    assert ok, why
+
+
+def test_a_planted_metal_defect_misses_the_reference_when_emulated():
+    record = next(r for r in METAL if r.name == "dspark confidence head")
+    control = next(c for c in record.controls if c.kind == "metal" and c.gate != 5)
+    ok, why = emulated(record, control.plant(record.implementations["metal"]))
+    assert not ok and "tiny drafter" in why
+
+
+def test_a_barrier_only_some_threads_reach_is_reported_not_hung():
+    record = next(r for r in METAL if r.name == "llama rmsnorm")
+    metal = record.implementations["metal"]
+    import dataclasses
+
+    stuck = dataclasses.replace(metal, body=metal.body.replace(
+        "threadgroup_barrier(mem_flags::mem_threadgroup);",
+        "if (thread_position_in_threadgroup.x == 0) threadgroup_barrier(mem_flags::mem_threadgroup);", 1))
+    assert stuck.body != metal.body
+    ok, why = emulated(record, stuck)
+    assert not ok and ("wait at different points" in why or "returned before" in why), why
