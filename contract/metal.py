@@ -13,36 +13,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
 from .kernel_text import served_text
-from .metal_shim import SHIM
+from .metal_shim import ATTRIBUTES, SHIM, compiler, mtype
 from .record import Source
 from .registry import discover
 from .texts import builds
-
-_TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
-          "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
-          "float16": "float16_t", "bfloat16": "bfloat16_t", "float32": "float"}
-
-# The thread attributes MLX 0.32's metal_kernel declares, with their types: a body may name these and no others.
-ATTRIBUTES = {"dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
-              "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
-              "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
-              "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
-              "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint",
-              "thread_index_in_simdgroup": "uint", "thread_index_in_threadgroup": "uint",
-              "thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
-              "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3",
-              "threads_per_simdgroup": "uint", "threads_per_threadgroup": "uint3"}
-
-
-def mtype(dtype) -> str:
-    return _TYPES[str(dtype).rsplit(".", 1)[-1]]
-
 
 def generated(source: Source, name: str, inputs: list, launch) -> str:
     """The kernel text MLX's metal_kernel writes for this source, these inputs and this launch (less its Metal
@@ -79,14 +58,6 @@ def instances(reg, quick: bool) -> list[tuple[str, str]]:
     return [(label, text) for label, text, _ in builds(reg.record, "metal", generated, quick)]
 
 
-def compiler() -> str | None:
-    """The host's C++ compiler: $CXX, else g++ or clang++ on PATH; None where there is none."""
-    for name in (os.environ.get("CXX"), "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def check_one(text: str, cxx: str) -> tuple[bool, str]:
     with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
         f.write(text)
@@ -116,7 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one build per source text (the widest window)")
     parser.add_argument("--compiler", help="the C++ compiler (default: $CXX, g++ or clang++)")
     parser.add_argument("--emulate", action="store_true",
-                        help="then run each metal source emulated on its first served shape against its reference")
+                        help="then run each metal source emulated on its first served shape: against its reference, "
+                             "and its rows at 1, 2, 3 and 9 rows a call")
     args = parser.parse_args(argv)
     if args.compiler:
         os.environ["CXX"] = args.compiler
@@ -132,12 +104,14 @@ def main(argv=None) -> int:
     failed = sum(not ok for _, ok, _ in results)
     print(f"{len(results) - failed} of {len(results)} metal builds checked as C++")
     if args.emulate and not failed:
-        from .metal_emu import emulated
+        from .metal_emu import emulated, emulated_rows
 
         chosen = [reg.record for reg in discover() if reg.record is not None and isinstance(
             reg.record.implementations.get("metal"), Source) and (not args.only or reg.matches(args.only))]
         for record in chosen:
             ok, why = emulated(record)
+            if ok:
+                ok, why = emulated_rows(record)
             failed += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {record.name} [metal, emulated]{'' if ok else ': ' + why}")
         print(f"{len(chosen) - failed} of {len(chosen)} metal sources matched their references, emulated")

@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from .kernel_text import served_text
-from .metal import ATTRIBUTES, compiler, mtype
+from .metal_shim import ATTRIBUTES, compiler, mtype
 from .metal_emu_runtime import LAUNCH, PRELUDE
 from .record import Source
 
@@ -141,3 +141,25 @@ def emulated(record, kind_source: Source | None = None, rows: int = 3) -> tuple[
     except (RuntimeError, NotImplementedError) as exc:
         ok, why = False, f"{shape.label}: {exc}"
     return ok, why
+
+
+def emulated_rows(record, source: Source | None = None, singles: int = 3, wide: int = 9) -> tuple[bool, str]:
+    """Gate 4 in small, emulated: rows 0..singles-1 of 2-, 3- and `wide`-row calls bit-equal to their 1-row calls
+    (a GEMV's tiles change past 8 rows), on the record's first served shape that is not heavy."""
+    from .gates import _bits, _differs, make_case
+
+    source = source or record.implementations["metal"]
+    shape = next((s for s in record.shapes if not s.heavy and s.rows > 0), record.shapes[0])
+    rows = min(wide, shape.rows, record.max_rows)
+    try:
+        case = make_case(record, shape, rows, np.random.default_rng(1))
+        alone = [_bits(run_source(source, case.take_rows(i, i + 1))) for i in range(min(singles, rows))]
+        for k in sorted({min(2, rows), min(3, rows), rows}):
+            many = _bits(run_source(source, case.take_rows(0, k)))
+            for i in range(min(k, len(alone))):
+                name = _differs(alone[i], many, 0, i)
+                if name:
+                    return False, f"{shape.label}: {name} row {i} of a {k}-row call differs from its 1-row call"
+    except (RuntimeError, NotImplementedError) as exc:
+        return False, f"{shape.label}: {exc}"
+    return True, ""

@@ -1,11 +1,44 @@
-"""The part of the Metal Shading Language the records' metal sources use, as C++17 a host compiler checks."""
+"""The part of the Metal Shading Language the records' metal sources use, as C++17 a host compiler checks; the
+thread attributes and type names MLX's metal_kernel writes; the host's C++ compiler."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+_TYPES = {"bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t", "int64": "int64_t",
+          "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t", "uint64": "uint64_t",
+          "float16": "float16_t", "bfloat16": "bfloat16_t", "float32": "float"}
+
+# The thread attributes MLX 0.32's metal_kernel declares, with their types: a body may name these and no others.
+ATTRIBUTES = {"dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
+              "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
+              "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
+              "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
+              "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint",
+              "thread_index_in_simdgroup": "uint", "thread_index_in_threadgroup": "uint",
+              "thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
+              "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3",
+              "threads_per_simdgroup": "uint", "threads_per_threadgroup": "uint3"}
+
+
+def mtype(dtype) -> str:
+    return _TYPES[str(dtype).rsplit(".", 1)[-1]]
+
+
+def compiler() -> str | None:
+    """The host's C++ compiler: $CXX, else g++ or clang++ on PATH; None where there is none."""
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
 
 # Not Metal: address spaces vanish, and the SIMD functions and barriers are declared, never defined. What it keeps is
 # what a syntax and type check needs: MSL's names, its scalar and vector types, and one overload a type for the
 # math functions (so `metal::min(int, uint)` is as ambiguous here as there). A name MLX does not declare (a thread
 # attribute it never adds, a helper no header defines, a double, an array sized at run time) fails here as it would
 # on an Apple GPU.
-
 SHIM = r"""
 #include <cstddef>
 #include <cstdint>

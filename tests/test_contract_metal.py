@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tensorfold_contract.gates import make_case
-from tensorfold_contract.metal import check, check_one, compiler, generated
+from tensorfold_contract.metal import check, check_one, generated
+from tensorfold_contract.metal_shim import compiler
 from tensorfold_contract.registry import discover
 
 needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
