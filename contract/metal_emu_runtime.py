@@ -6,6 +6,8 @@
 # IEEE fp32 with no contraction (`metal::fma` is a fused one); Metal compiles with fast math, so a result here can
 # differ from an Apple GPU's in the last bits of exp and the like, never in which elements a kernel reads or writes.
 
+from .metal_shim import SCALARS
+
 PRELUDE = r"""
 #include <ucontext.h>
 #include <cmath>
@@ -14,11 +16,7 @@ PRELUDE = r"""
 #include <cstring>
 #include <vector>
 
-typedef unsigned char uchar;
-typedef unsigned short ushort;
-typedef unsigned int uint;
-typedef unsigned long ulong;
-
+""" + SCALARS + r"""
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;

@@ -34,6 +34,14 @@ def compiler() -> str | None:
     return None
 
 
+# MSL's unsigned scalar names, for the check and the emulator alike
+SCALARS = """
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+typedef unsigned long ulong;
+"""
+
 # Not Metal: address spaces vanish, and the SIMD functions and barriers are declared, never defined. What it keeps is
 # what a syntax and type check needs: MSL's names, its scalar and vector types, and one overload a type for the
 # math functions (so `metal::min(int, uint)` is as ambiguous here as there). A name MLX does not declare (a thread
@@ -53,11 +61,7 @@ SHIM = r"""
 #define thread
 #define threadgroup
 
-typedef unsigned char uchar;
-typedef unsigned short ushort;
-typedef unsigned int uint;
-typedef unsigned long ulong;
-
+""" + SCALARS + r"""
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;
