@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from .kernel_text import served_text
-from .metal_shim import ATTRIBUTES, SHIM, compiler, mtype
+from .metal_shim import ATTRIBUTES, SHIM, compiler, mtype, template
 from .record import Source
 from .registry import discover
 from .texts import builds
@@ -39,15 +39,11 @@ def generated(source: Source, name: str, inputs: list, launch) -> str:
     params += [f"  device {mtype(d)}* {out}" for out, d in zip(source.output_names, launch.output_dtypes)]
     params += [f"  {kind} {attr}" for attr, kind in ATTRIBUTES.items() if attr in body]
     text = SHIM + header + "\n"
-    if launch.template:
-        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename"
-                 for _, v in launch.template]
-        text += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, launch.template)) + ">\n"
+    declared, instance = template(launch)
+    text += declared
     text += f"void {name}(\n" + ",\n".join(params) + ") {\n" + body + "\n}\n"
-    if launch.template:
-        values = ", ".join(("true" if v else "false") if isinstance(v, bool) else str(v) if isinstance(v, int)
-                           else mtype(v) for _, v in launch.template)
-        text += f"template decltype({name}<{values}>) {name}<{values}>;\n"
+    if instance:
+        text += f"template decltype({name}{instance}) {name}{instance};\n"
     return text
 
 

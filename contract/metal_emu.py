@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from .kernel_text import served_text
-from .metal_shim import ATTRIBUTES, compiler, mtype
+from .metal_shim import ATTRIBUTES, compiler, mtype, template
 from .metal_emu_runtime import LAUNCH, PRELUDE
 from .record import Source
 
@@ -49,17 +49,13 @@ def program(source: Source, inputs: list, launch) -> str:
     params = [f"const {mtype(a.dtype)}{'&' if a.ndim == 0 else '*'} {n}" for n, a in zip(source.input_names, inputs)]
     params += [f"{mtype(d)}* {n}" for n, d in zip(source.output_names, launch.output_dtypes)]
     params += [f"{ATTRIBUTES[a]} {a}" for a in attrs]
-    kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in launch.template]
-    values = [("true" if v else "false") if isinstance(v, bool) else str(v) if isinstance(v, int) else mtype(v)
-              for _, v in launch.template]
-    text = PRELUDE + served_text(source.header) + "\n"
-    if launch.template:
-        text += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, launch.template)) + ">\n"
+    declared, instance = template(launch)
+    text = PRELUDE + served_text(source.header) + "\n" + declared
     text += "void tf_kernel(" + ", ".join(params) + ") {\n" + body + "\n}\n"
     args = [f"{'*' if a.ndim == 0 else ''}(const {mtype(a.dtype)}*)tf_buffers[{k}]" for k, a in enumerate(inputs)]
     args += [f"({mtype(d)}*)tf_buffers[{len(inputs) + k}]" for k, d in enumerate(launch.output_dtypes)]
     args += attrs
-    call = "tf_kernel" + (f"<{', '.join(values)}>" if launch.template else "")
+    call = "tf_kernel" + instance
     text += ("static void tf_entry() {\n  const int i = tf_cur;\n  const int lx = i % tf_actual[0], "
              "ly = (i / tf_actual[0]) % tf_actual[1], lz = i / (tf_actual[0] * tf_actual[1]);\n"
              "  (void)lx; (void)ly; (void)lz;\n"
@@ -128,13 +124,18 @@ def run_source(source: Source, case) -> dict:
     return source.outputs(arrays, case)
 
 
+def _first_shape(record):
+    """The record's first served shape that is not heavy: small enough to emulate."""
+    return next((s for s in record.shapes if not s.heavy and s.rows > 0), record.shapes[0])
+
+
 def emulated(record, kind_source: Source | None = None, rows: int = 3) -> tuple[bool, str]:
     """The record's metal source (or `kind_source`, a planted one) run emulated on its first served shape that is
     not heavy, against the record's float64 reference: (ok, why)."""
     from .gates import compare, make_case
 
     source = kind_source or record.implementations["metal"]
-    shape = next((s for s in record.shapes if not s.heavy and s.rows > 0), record.shapes[0])
+    shape = _first_shape(record)
     try:
         case = make_case(record, shape, min(rows, shape.rows), np.random.default_rng(0))
         ok, why, _ = compare(record, case, run_source(source, case), record.reference(case))
@@ -149,7 +150,7 @@ def emulated_rows(record, source: Source | None = None, singles: int = 3, wide: 
     from .gates import _bits, _differs, make_case
 
     source = source or record.implementations["metal"]
-    shape = next((s for s in record.shapes if not s.heavy and s.rows > 0), record.shapes[0])
+    shape = _first_shape(record)
     rows = min(wide, shape.rows, record.max_rows)
     try:
         case = make_case(record, shape, rows, np.random.default_rng(1))

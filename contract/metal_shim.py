@@ -26,6 +26,18 @@ def mtype(dtype) -> str:
     return _TYPES[str(dtype).rsplit(".", 1)[-1]]
 
 
+def template(launch) -> tuple[str, str]:
+    """The launch's template as MLX writes it: the declaration before the kernel ("" where it has none) and the
+    arguments of its instance (e.g. "<8, bfloat16_t>")."""
+    if not launch.template:
+        return "", ""
+    kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in launch.template]
+    values = [("true" if v else "false") if isinstance(v, bool) else str(v) if isinstance(v, int) else mtype(v)
+              for _, v in launch.template]
+    declared = ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, launch.template))
+    return f"template <{declared}>\n", f"<{', '.join(values)}>"
+
+
 def compiler() -> str | None:
     """The host's C++ compiler: $CXX, else g++ or clang++ on PATH; None where there is none."""
     for name in (os.environ.get("CXX"), "g++", "clang++"):
