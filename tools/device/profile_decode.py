@@ -30,12 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 PROMPT = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n"
 
 
-def profiled(run, top: int) -> str:
-    """`run()` under cProfile: the top functions by their own time, as text."""
+def profiled(run, top: int, dump: Path | None = None) -> str:
+    """`run()` under cProfile: the top functions by their own time, as text; the whole profile to `dump` if named."""
     profile = cProfile.Profile()
     profile.enable()
     run()
     profile.disable()
+    if dump is not None:
+        profile.dump_stats(dump)
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--census", action="store_true", help="count one decode step's graph primitives first")
     parser.add_argument("--drafter", help="also profile the served engine with this drafter")
+    parser.add_argument("--dump", type=Path, help="write each run's whole profile here (STREAMS-ENGINE.prof), "
+                        "for pstats' callers and cumulative views")
     args = parser.parse_args(argv)
     target = load_target(args.target, ServeOptions(dtype="bfloat16"))
     model, tokenizer = target.model, target.tokenizer
@@ -111,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             drafted = engine.counters.verdicts.get("drafted", 0) - before[2].get("drafted", 0)
             print(f"\n== {streams} stream(s), {name}: {rate:.1f} tok/s unprofiled; {rounds} rounds, {ahead} run "
                   f"ahead, {drafted} windows drafted")
-            print(profiled(lambda: together(model, engine, requests), args.top))
+            dump = args.dump / f"{streams}-{name}.prof" if args.dump else None
+            if dump is not None:
+                dump.parent.mkdir(parents=True, exist_ok=True)
+            print(profiled(lambda: together(model, engine, requests), args.top, dump))
     return 0
 
 
