@@ -288,24 +288,35 @@ def swap_tree(module: nn.Module, projection: Swap, norm: Swap) -> None:
                 child[index] = new
 
 
-class ShapeCompiled:
-    """`fn` mx.compile'd once for each row count (the first axis of its first input): each compiled function holds
-    the one trace, and past `keep` of them the least recently used is dropped with its trace, so a server meeting
-    ever new prompt lengths does not grow MLX's compile cache without end."""
+class KeyCompiled:
+    """Functions mx.compile'd once for each key: each compiled function holds the one trace, and past `keep` of them
+    the least recently used is dropped with its trace, so a server meeting ever new shapes does not grow MLX's
+    compile cache without end."""
 
-    def __init__(self, fn: Callable, keep: int = 64):
-        self.fn, self.keep = fn, keep
+    def __init__(self, keep: int = 64):
+        self.keep = keep
         self.compiled: dict = {}
 
-    def __call__(self, first: mx.array, *rest: mx.array):
-        rows = first.shape[0]
-        compiled = self.compiled.pop(rows, None)
+    def get(self, key, make: Callable[[], Callable]) -> Callable:
+        """The compiled function of `key`, made by mx.compile(make()) the first time the key is met."""
+        compiled = self.compiled.pop(key, None)
         if compiled is None:
-            compiled = mx.compile(self.fn)
+            compiled = mx.compile(make())
             if len(self.compiled) >= self.keep:
                 del self.compiled[next(iter(self.compiled))]
-        self.compiled[rows] = compiled  # last in the dict: the most recently used
-        return compiled(first, *rest)
+        self.compiled[key] = compiled  # last in the dict: the most recently used
+        return compiled
+
+
+class ShapeCompiled(KeyCompiled):
+    """`fn` mx.compile'd once for each row count (the first axis of its first input)."""
+
+    def __init__(self, fn: Callable, keep: int = 64):
+        super().__init__(keep)
+        self.fn = fn
+
+    def __call__(self, first: mx.array, *rest: mx.array):
+        return self.get(first.shape[0], lambda: self.fn)(first, *rest)
 
 
 def compiling(usable: Mapping[str, object], kind: str) -> bool:

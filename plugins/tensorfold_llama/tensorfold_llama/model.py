@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -108,6 +108,39 @@ def stream_groups(spans: Sequence[Span]) -> list[StreamGroup]:
         layout = packed([(start - lo, n, cache.offset) for start, n, cache, _ in part])
         groups.append((lo, hi, layout, [s[2].k for s in part], [s[2].v for s in part]))
     return groups
+
+
+def run_layers(layers: Sequence[nn.Module], parts: Sequence[tuple], stack_kv, h: mx.array, positions: mx.array,
+               groups: Sequence[StreamGroup]) -> tuple[mx.array, mx.array, mx.array]:
+    """The layers' output rows through each layer's (before, after) parts and its streams attention, and their new
+    keys and values stacked [rows, layers, kv_heads, head_dim]."""
+    new_keys, new_values = [], []
+    for i, (layer, (before, after)) in enumerate(zip(layers, parts)):
+        q, k, v = before(h, positions)
+        h = after(h, layer.self_attn.mix_streams(q, k, v, groups, i))
+        new_keys.append(k)
+        new_values.append(v)
+    keys, values = stack_kv(new_keys, new_values) if stack_kv is not None else \
+        (mx.stack(new_keys, axis=1), mx.stack(new_values, axis=1))
+    return h, keys, values
+
+
+def whole_layers(layers: Sequence[nn.Module], stack_kv, layout: tuple) -> Callable:
+    """run_layers as one function of arrays alone, for mx.compile: the groups' rows and cache counts fixed by
+    `layout`, their row maps and buffers passed in (and the spans, where the attention reads cache offsets on the
+    host). It holds the layers, not the model, so a dropped model's compiled forward makes no reference cycle."""
+    from tensorfold_core.row_kernels.attention_streams import Packed
+
+    parts = [(layer.before_roped, layer.after) for layer in layers]
+
+    def traced(h, positions, rowmaps, keys, values):
+        groups, at = [], 0
+        for (lo, hi, spans, n), rowmap in zip(layout, rowmaps):
+            groups.append((lo, hi, Packed(spans, rowmap), keys[at:at + n], values[at:at + n]))
+            at += n
+        return run_layers(layers, parts, stack_kv, h, positions, groups)
+
+    return traced
 
 
 def llama3_freqs(dims: int, base: float, rope: dict) -> mx.array:
@@ -294,6 +327,10 @@ class Model(nn.Module):
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.stacked = False  # caches of one buffer for all layers, written once a forward (serving.py sets it)
         self.stack_kv = None  # the layers' new keys and values stacked by a kernel record (serving.py sets it)
+        # the stacked layers mx.compile'd whole, a trace a shape (serving.py sets a KeyCompiled); whole_spans: the
+        # streams' spans are in its key, where the attention reads cache offsets on the host (MLX's composed ops)
+        self.whole = None
+        self.whole_spans = False
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -352,18 +389,18 @@ class Model(nn.Module):
         """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
         as they were; then each stream's window of every layer stored at once."""
         groups = stream_groups(spans)
-        new_keys, new_values = [], []
-        for i, layer in enumerate(self.model.layers):
-            before, after = layer.halves or (layer.before_roped, layer.after)
-            q, k, v = before(h, positions)
-            mixed = layer.self_attn.mix_streams(q, k, v, groups, i)
-            h = after(h, mixed)
-            new_keys.append(k)
-            new_values.append(v)
-        stacked = self.stack_kv(new_keys, new_values) if self.stack_kv is not None else \
-            (mx.stack(new_keys, axis=1), mx.stack(new_values, axis=1))
+        if self.whole is None:
+            parts = [layer.halves or (layer.before_roped, layer.after) for layer in self.model.layers]
+            h, keys, values = run_layers(self.model.layers, parts, self.stack_kv, h, positions, groups)
+        else:  # every layer in one compiled call: one trace a shape replays every launch without Python
+            layout = tuple((lo, hi, layout.spans if self.whole_spans else None, len(ks))
+                           for lo, hi, layout, ks, _ in groups)
+            key = (h.shape[0], layout, tuple(tuple(k.shape) for g in groups for k in g[3]))
+            traced = self.whole.get(key, lambda: whole_layers(self.model.layers, self.stack_kv, layout))
+            h, keys, values = traced(h, positions, [g[2].rowmap for g in groups], [k for g in groups for k in g[3]],
+                                     [v for g in groups for v in g[4]])
         # stored after the last layer's attention has read the caches, so each buffer is updated in place
-        keys, values = mx.depends(list(stacked), [mixed])
+        keys, values = mx.depends([keys, values], [h])
         for start, n, cache, _ in spans:
             cache.store_window(keys[start:start + n], values[start:start + n])
         return h

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (RecordLinear, compile_halves, compiling, fused, normed_fused,
-                                                 projection_op, residual_fused, swaps, swiglu_fused)
+from tensorfold_core.row_kernels.modules import (KeyCompiled, RecordLinear, compile_halves, compiling, fused,
+                                                 normed_fused, projection_op, residual_fused, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
@@ -23,6 +23,9 @@ ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
 # where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
 # (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
 STACK_KV_ENV = "TENSORFOLD_STACK_KV"
+# where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
+# default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
+WHOLE_ENV = "TENSORFOLD_WHOLE_FORWARD"
 
 
 class RopedQKV:
@@ -115,6 +118,9 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                     from tensorfold_core.row_kernels.stack import STACKS
 
                     model.stack_kv = STACKS[kind]
+                if os.environ.get(WHOLE_ENV, "1") != "0":
+                    model.whole = KeyCompiled()
+                    model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
         for layer in blocks.layers:  # each norm read by the one launch after it: a launch fewer each
             attn, mlp = layer.self_attn, layer.mlp
             if attn.rope_qkv is not None:

@@ -364,6 +364,30 @@ def test_the_layers_keys_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_
         assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
 
 
+def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_called_one_by_one(through_records,
+                                                                                              monkeypatch):
+    from tensorfold_llama.serving import WHOLE_ENV
+
+    whole, apart, tokenizer = compiled_with_and_without(monkeypatch, WHOLE_ENV)
+    assert whole.whole is not None and apart.whole is None and whole.whole_spans  # MLX's attention reads offsets
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    prompts = [prompts[i % len(prompts)][:4 + 2 * i] for i in range(10)]  # ten streams: two launches a layer
+    caches = {id(m): [m.new_cache(64 + 8 * (i % 2)) for i in range(10)] for m in (whole, apart)}
+    for windows in (prompts, [[7, 8, 9]] * 10, [[11]] * 10, [[11]] * 10, [[12, 13]] * 3):
+        ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows])
+                        for m in (whole, apart))
+        assert mx.array_equal(ours, theirs).item()
+        for m in (whole, apart):
+            for cache, window in zip(caches[id(m)], windows):
+                m.keep(cache, len(window) - 1)  # the last row unkept, as a rejected draft's
+    # a trace a step, each one's spans in its key, but the repeated step (its one row unkept) replayed its trace
+    assert len(whole.whole.compiled) == 4
+    for ours, theirs in zip(caches[id(whole)], caches[id(apart)]):
+        n = ours.offset
+        assert n == theirs.offset and mx.array_equal(ours.k[:, :, :n], theirs.k[:, :, :n]).item()
+        assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
+
+
 def test_the_stack_kernels_refuse_what_they_cannot_copy_with_why():
     import mlx.core as mx
 
@@ -397,12 +421,17 @@ def test_on_the_cpu_the_table_compiles_no_layer_part(monkeypatch):
 
 
 def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
-    from tensorfold_core.row_kernels.modules import ShapeCompiled
+    from tensorfold_core.row_kernels.modules import KeyCompiled, ShapeCompiled
 
     twice = ShapeCompiled(lambda x: x * 2, keep=2)
     for rows in (1, 2, 1, 3):
         assert twice(mx.ones((rows, 4))).tolist() == [[2.0] * 4] * rows
     assert list(twice.compiled) == [1, 3]  # 2, the least recently used, dropped with its trace
+    made = []
+    keyed = KeyCompiled(keep=2)
+    for key in ("a", "b", "a", "c", "b"):
+        keyed.get(key, lambda: made.append(key) or (lambda x: x + 1))
+    assert made == ["a", "b", "c", "b"] and list(keyed.compiled) == ["c", "b"]  # b traced again once dropped
 
 
 def test_a_group_rank_compiles_no_layer_part_since_its_layers_record_their_sums_as_they_run(through_records,
