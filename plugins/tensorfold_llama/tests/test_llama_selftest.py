@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import mlx.core as mx
 import pytest
@@ -60,3 +61,38 @@ def test_every_shipped_record_passes_its_load_self_test_here(monkeypatch):
         warnings.simplefilter("error", RuntimeWarning)
         model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert not any("self-test" in label for label in model.kernels.values())
+
+
+def _gemv():
+    """A fresh copy of the bf16 GEMV record (the self-test's verdicts are kept a process by record)."""
+    return dataclasses.replace(next(r for r in records() if r.name == "llama gemv bf16"))
+
+
+def test_a_gpu_kernel_s_remembered_pass_serves_it_without_a_run_and_only_for_the_same_text(tmp_path, monkeypatch):
+    from tensorfold_contract import selftest
+
+    remembered = tmp_path / "self-test.json"
+    monkeypatch.setenv(selftest.SELF_TEST_CACHE_ENV, str(remembered))
+    gemv = _gemv()
+    assert selftest.failures([gemv], "cuda")  # no CUDA here: its case cannot run, so it fails, and is not remembered
+    assert not remembered.exists()
+    key = selftest.source_key(gemv, "cuda", *selftest.one_case(gemv))
+    remembered.write_text(json.dumps({key: "llama gemv bf16 (cuda), as a GPU's load wrote it"}))
+    assert selftest.failures([_gemv()], "cuda") == {}  # the pass remembered for this text, launch and device
+    source = gemv.implementations["cuda"]
+    edited = dataclasses.replace(gemv, implementations={
+        **gemv.implementations, "cuda": dataclasses.replace(source, body=source.body.replace("+=", "-=", 1))})
+    assert selftest.failures([edited], "cuda")  # another text is another key: run, and failed here
+    monkeypatch.setenv(selftest.SELF_TEST_CACHE_ENV, "0")
+    assert selftest.failures([_gemv()], "cuda")  # nothing remembered is read
+
+
+def test_a_composed_ops_pass_is_not_remembered_and_a_broken_file_is_read_as_empty(tmp_path, monkeypatch):
+    from tensorfold_contract import selftest
+
+    remembered = tmp_path / "self-test.json"
+    monkeypatch.setenv(selftest.SELF_TEST_CACHE_ENV, str(remembered))
+    assert selftest.failures([_gemv()], "mlx") == {}
+    assert not remembered.exists()  # MLX's ops are cheap to run and are not one text
+    remembered.write_text("{not json")
+    assert selftest.failures([_gemv()], "cuda") and remembered.read_text() == "{not json"
