@@ -23,6 +23,8 @@ from .record import KernelRecord, Source
 SELF_TEST_ENV = "TENSORFOLD_SELF_TEST"  # "0": serve the records untested (a measurement of load time)
 # the file of remembered passes; "0" remembers none (default: $XDG_CACHE_HOME or ~/.cache, tensorfold/self-test.json)
 SELF_TEST_CACHE_ENV = "TENSORFOLD_SELF_TEST_CACHE"
+# what of mx.device_info() names the kind of GPU (CUDA's and Metal's names for it)
+DEVICE_KEYS = ("device_name", "architecture", "compute_capability_major", "compute_capability_minor")
 ROWS = 2  # a window's two rows: the served path's multi-row code, cheap to build
 
 
@@ -75,10 +77,11 @@ def source_key(record: KernelRecord, kind: str, shape, case) -> str | None:
     import mlx.core as mx
 
     source, launch = impl.at(case), impl.at(case).launch(case)
-    device = mx.device_info() if hasattr(mx, "device_info") else {}
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    device = sorted((k, str(v)) for k, v in info.items() if k in DEVICE_KEYS)  # not its free memory, nor which card
     what = [record.name, kind, source.name, source.header, source.body, source.input_names, source.output_names,
-            shape.label, sorted(shape.dims.items(), key=str), case.rows, repr(launch), mx.__version__,
-            sorted((k, str(v)) for k, v in device.items()), str(mx.default_device())]
+            shape.label, sorted(shape.dims.items(), key=str), case.rows, repr(launch), mx.__version__, device,
+            str(mx.default_device())]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()
 
 
