@@ -13,6 +13,17 @@ from ..protocols import can_keep_later
 
 # TENSORFOLD_LOOKAHEAD=0 runs every round in step (to measure what the overlap gives)
 LOOKAHEAD_ENV = "TENSORFOLD_LOOKAHEAD"
+# "0": every round reads its logits rows to the host and draws there, greedy rows too (to measure); by default a round
+# whose every drawing row is plain greedy reads only its ids, argmaxed on the device (a 128k-id vocabulary's rows
+# are 512 KB each)
+DEVICE_GREEDY_ENV = "TENSORFOLD_DEVICE_GREEDY"
+
+
+def greedy_ids(logits: mx.array) -> mx.array:
+    """Each row's greedy draw on the device, as `sampling.draw_greedy`'s on the host: the first largest logit (ties to
+    the lowest id), a NaN never winning. It is the `greedy argmax` record's mlx implementation, which the contract
+    proves against its float64 reference, ties and NaN rows included."""
+    return mx.argmax(mx.where(mx.isnan(logits), -mx.inf, logits), axis=-1)
 
 
 @dataclass
@@ -62,10 +73,10 @@ class Lookahead:
         self._close(launched)
         return None
 
-    def launch(self, turns: Sequence, logits: mx.array) -> mx.array:
-        """Queue this round and its argmax, keep each window's one row, and queue the next step on the argmax;
-        returns the argmax for `confirm` (the host's draws must equal it)."""
-        tokens = mx.argmax(logits, axis=-1)
+    def launch(self, turns: Sequence, logits: mx.array, tokens: mx.array | None = None) -> mx.array:
+        """Queue this round and its greedy ids (`tokens`, or made here), keep each window's one row, and queue the
+        next step on those ids; returns them for `confirm` (the host's draws must equal them)."""
+        tokens = greedy_ids(logits) if tokens is None else tokens
         caches = [t.stream.cache for t in turns]
         kept = [a for cache in caches for a in self.model.keep_later(cache, 1)]
         mx.async_eval(logits, tokens, kept)

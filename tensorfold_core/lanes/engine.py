@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -11,7 +12,7 @@ from typing import cast
 
 from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
                          HoldPricedDrafter, Model)
-from .ahead import Lookahead
+from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
@@ -59,6 +60,9 @@ class Engine:
         # a greedy round of streams that cannot draft queues its next step before the host reads it (None:
         # TENSORFOLD_LOOKAHEAD, default on)
         self.ahead = Lookahead(model, lookahead)
+        # a round whose every drawing row is plain greedy reads its ids, not its logits rows (TENSORFOLD_DEVICE_GREEDY)
+        self.device_greedy = os.environ.get(DEVICE_GREEDY_ENV, "1") != "0"
+        self.id_rounds = 0  # forwards whose draws were read as the device's greedy ids (tests and figures)
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
         self.shared_rounds = shared_rounds
@@ -248,13 +252,15 @@ class Engine:
             logits = self.ahead.take(group)
             if logits is None:
                 logits = self._forward(group)
+            ids = greedy_ids(logits) if self._reads_ids(group) else None
+            self.id_rounds += ids is not None
             # streams that will likely draft next round do not run ahead: a step their drafts replace is wasted
             if ahead and self.ahead.eligible(group):
                 if not any(self._drafts_next(t.stream, len(group) > 1) for t in group):
-                    tokens = self.ahead.launch(group, logits)  # each window's row kept: the next step is queued
+                    tokens = self.ahead.launch(group, logits, ids)  # each window's row kept: the next step is queued
                 else:
                     self.ahead.held += 1
-            rows = np.array(logits, copy=False)
+            rows = np.array(logits if ids is None else ids, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
             for turn in group:
@@ -270,8 +276,11 @@ class Engine:
             n = 1 + len(turn.drafts)
             if isinstance(turn.drafts, HeldDrafts):  # read with the logits: evaluated by now, so no wait
                 turn.drafts = turn.drafts.read()
-            draws, logprobs = stream.stage.verify(rows[row:row + n], turn.drafts, stream.request.sampling,
-                                                  stream.seed, len(stream.tokens))
+            if ids is None:
+                draws, logprobs = stream.stage.verify(rows[row:row + n], turn.drafts, stream.request.sampling,
+                                                      stream.seed, len(stream.tokens))
+            else:  # the device's greedy draws, as the host's plain stage would draw them from the rows
+                draws, logprobs = [int(i) for i in rows[row:row + n]], None
             row += n
             firsts.append(draws[0])
             accepted = accepted_prefix(turn.drafts, draws)
@@ -289,6 +298,12 @@ class Engine:
         if tokens is not None:
             self.ahead.confirm(firsts, tokens)
         return verified
+
+    def _reads_ids(self, group: list[Turn]) -> bool:
+        """Whether the round's draws are all plain greedy ones, which the device's argmax gives without the rows."""
+        drawing = [t.stream for t in group if t.draws]
+        return self.device_greedy and bool(drawing) and all(s.stage.plain and s.request.sampling.greedy
+                                                            for s in drawing)
 
     def _forward(self, group: list[Turn]) -> mx.array:
         """The group's forward; held drafts join their windows' host ids on the device, so the hold that made them
