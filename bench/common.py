@@ -211,7 +211,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}, "all-inputs": {"TENSORFOLD_NARROW_INPUTS": "0"},
             "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
             "norms-apart": {"TENSORFOLD_NORM_IN": "0"}, "small-inputs": {"TENSORFOLD_PAD_INPUTS": "0"},
-            "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}}
+            "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}, "rows-read": {"TENSORFOLD_DEVICE_GREEDY": "0"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -231,7 +231,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     `:norms-apart` launches a layer's norms apart from the q|k|v and gate|up launches that read them,
     TENSORFOLD_NORM_IN=0, `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small pool,
     TENSORFOLD_PAD_INPUTS=0, `:parts-compiled` calls each layer's compiled parts and its attention from Python
-    instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0): the JSON its last line prints."""
+    instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy
+    round's logits rows and draws on the host instead of reading the device's greedy ids, TENSORFOLD_DEVICE_GREEDY=0): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
