@@ -232,7 +232,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     TENSORFOLD_NORM_IN=0, `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small pool,
     TENSORFOLD_PAD_INPUTS=0, `:parts-compiled` calls each layer's compiled parts and its attention from Python
     instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy
-    round's logits rows and draws on the host instead of reading the device's greedy ids, TENSORFOLD_DEVICE_GREEDY=0): the JSON its last line prints."""
+    round's logits rows and draws on the host instead of reading the device's greedy ids,
+    TENSORFOLD_DEVICE_GREEDY=0): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
