@@ -1,10 +1,11 @@
 """The C++ a metal source runs on when emulated on the host: MSL's types and functions, and SIMT threads."""
 
-# Each thread of a threadgroup is a ucontext of its own; the scheduler runs them one at a time until each is done
-# or waits: at a SIMD shuffle for every live lane of its simdgroup (twice: write, then read), at a barrier for every
-# live thread of its group. `threadgroup` arrays become statics, so a group's threads share them. The arithmetic is
-# IEEE fp32 with no contraction (`metal::fma` is a fused one); Metal compiles with fast math, so a result here can
-# differ from an Apple GPU's in the last bits of exp and the like, never in which elements a kernel reads or writes.
+# Each thread of a threadgroup is a context of its own (a stack and its saved registers; a ucontext off x86-64); the
+# scheduler runs them one at a time until each is done or waits: at a SIMD shuffle for every live lane of its
+# simdgroup (twice: write, then read), at a barrier for every live thread of its group. `threadgroup` arrays become
+# statics, so a group's threads share them. The arithmetic is IEEE fp32 with no contraction (`metal::fma` is a
+# fused one); Metal compiles with fast math, so a result here can differ from an Apple GPU's in the last bits of exp
+# and the like, never in which elements a kernel reads or writes.
 
 from .metal_shim import SCALARS
 
@@ -84,22 +85,52 @@ enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_te
 inline mem_flags operator|(mem_flags a, mem_flags b) { return (mem_flags)((int)a | (int)b); }
 
 enum { TF_RUN, TF_SIMD, TF_BAR, TF_DONE };
+#if defined(__x86_64__) && !defined(TF_UCONTEXT)
+// a thread switch that saves only the callee-saved registers: swapcontext also saves the signal mask, a system call
+// at each of the two switches every lane makes at every SIMD shuffle
+extern "C" void tf_switch(void** save_sp, void* load_sp);
+asm(".text\n.globl tf_switch\n.type tf_switch,@function\ntf_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n");
+struct TfContext { void* sp; };
+static void tf_swap(TfContext* save, TfContext* load) { tf_switch(&save->sp, load->sp); }
+static void tf_start(TfContext* ctx, std::vector<char>& stack, void (*entry)()) {
+  // a stack that `ret`s into entry as if it had been called: six zeroed registers, entry, a never-used return address
+  uintptr_t top = ((uintptr_t)(stack.data() + stack.size())) & ~(uintptr_t)15;
+  void** sp = (void**)top;
+  *--sp = nullptr;
+  *--sp = (void*)entry;
+  for (int r = 0; r < 6; ++r) *--sp = nullptr;
+  ctx->sp = sp;
+}
+#else
+struct TfContext { ucontext_t uc; };
+static void tf_swap(TfContext* save, TfContext* load) { swapcontext(&save->uc, &load->uc); }
+static void tf_start(TfContext* ctx, std::vector<char>& stack, void (*entry)()) {
+  getcontext(&ctx->uc);
+  ctx->uc.uc_stack.ss_sp = stack.data();
+  ctx->uc.uc_stack.ss_size = stack.size();
+  ctx->uc.uc_link = nullptr;
+  makecontext(&ctx->uc, entry, 0);
+}
+#endif
 struct TfThread {
-  ucontext_t ctx;
+  TfContext ctx;
   int state;
   int barriers;  // barriers passed: the group goes on only when every live thread waits at the same one
   unsigned char slot[8];
 };
 static std::vector<TfThread> tf_threads;
 static std::vector<std::vector<char>> tf_stacks;
-static ucontext_t tf_main;
+static TfContext tf_main;
 static int tf_cur, tf_count;
 static int tf_grid[3], tf_size[3], tf_group[3], tf_actual[3];
 static void** tf_buffers;
 
 static void tf_wait(int state) {
   tf_threads[tf_cur].state = state;
-  swapcontext(&tf_threads[tf_cur].ctx, &tf_main);
+  tf_swap(&tf_threads[tf_cur].ctx, &tf_main);
 }
 
 inline void threadgroup_barrier(mem_flags) {
@@ -172,18 +203,14 @@ extern "C" int tf_launch(void** buffers, const int* grid, const int* size, char*
     for (auto& t : tf_threads) t.barriers = 0;
     if ((int)tf_stacks.size() < tf_count) tf_stacks.resize(tf_count, std::vector<char>(1 << 16));
     for (int i = 0; i < tf_count; ++i) {
-      getcontext(&tf_threads[i].ctx);
-      tf_threads[i].ctx.uc_stack.ss_sp = tf_stacks[i].data();
-      tf_threads[i].ctx.uc_stack.ss_size = tf_stacks[i].size();
-      tf_threads[i].ctx.uc_link = nullptr;
-      makecontext(&tf_threads[i].ctx, tf_body, 0);
+      tf_start(&tf_threads[i].ctx, tf_stacks[i], tf_body);
       tf_threads[i].state = TF_RUN;
     }
     for (;;) {
       for (int i = 0; i < tf_count; ++i) {
         if (tf_threads[i].state == TF_RUN) {
           tf_cur = i;
-          swapcontext(&tf_main, &tf_threads[i].ctx);
+          tf_swap(&tf_main, &tf_threads[i].ctx);
         }
       }
       int live = 0, at_barrier = 0;
