@@ -278,19 +278,21 @@ def gate_bits(record: KernelRecord, kind: str, impl, shapes: list[Shape], inputs
 
 
 def _bits_of_shape(record: KernelRecord, kind: str, impl, shape: Shape, inputs: Inputs, others: dict, claim,
-                   checked: list) -> str | None:
-    """Gate 4 on one shape: why it is red, or None."""
-    n = record.max_rows
+                   checked: list, runner=None, rows: int | None = None) -> str | None:
+    """Gate 4 on one shape: why it is red, or None. `runner(impl, case)` runs a call (default: on this device; the
+    metal emulator passes its own, and may ask for fewer `rows` than the record's most)."""
+    n = rows or record.max_rows
+    call = runner or (lambda impl, case: run(kind, impl, case))
     try:
         case = inputs.case(shape, n)
-        singles = [_bits(run(kind, impl, case.take_rows(i, i + 1))) for i in range(n)]
+        singles = [_bits(call(impl, case.take_rows(i, i + 1))) for i in range(n)]
         for k in range(1, n + 1):
-            many = _bits(run(kind, impl, case.take_rows(0, k)))
+            many = _bits(call(impl, case.take_rows(0, k)))
             for i in range(k):
                 name = _differs(singles[i], many, 0, i)
                 if name:
                     return f"{shape.label}: {name} row {i} of a {k}-row call differs from its 1-row call"
-        again = _bits(run(kind, impl, case))
+        again = _bits(call(impl, case))
         if _differs(many, again):
             return f"{shape.label}: a repeat of the {n}-row call differs"
         if claim is not None:

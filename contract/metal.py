@@ -5,8 +5,9 @@
 # name the body holds. This writes that text over a C++ stand-in for the Metal Shading Language (metal_shim.py) and
 # has the host's C++ compiler check its syntax and types, so a kernel author learns of an undeclared name or a type
 # slip before the kernel meets an Apple GPU. `--emulate` then runs each metal source on the host's threads
-# (metal_emu.py) against its record's reference: what it reads, writes and sums, not Metal's own rounding.
-#     python -m tensorfold_contract.metal [--only NAME] [--quick] [--compiler g++] [--emulate]
+# (metal_emu.py) against its record's reference: what it reads, writes and sums, not Metal's own rounding; with
+# `--gate4`, gate 4 too, emulated, and the planted metal gate-4 controls must go red there.
+#     python -m tensorfold_contract.metal [--only NAME] [--quick] [--compiler g++] [--emulate [--gate4]]
 
 from __future__ import annotations
 
@@ -77,6 +78,24 @@ def check(only=(), quick: bool = False, cxx: str | None = None) -> list[tuple[st
     return [(label, ok, log) for (label, _), (ok, log) in zip(jobs, results)]
 
 
+GATE4_ROWS = 17  # a GEMV's tiles change past 8 and past 16 rows
+
+
+def missed_controls(records) -> int:
+    """Each planted metal gate-4 control of `records` under the emulated gate 4: printed; how many stayed green."""
+    from .metal_emu import emulated_gate4
+
+    missed = 0
+    for record in records:
+        for control in (c for c in record.controls if c.kind == "metal" and c.gate == 4):
+            ok, why = emulated_gate4(record, control.plant(record.implementations["metal"]),
+                                     rows=min(GATE4_ROWS, record.max_rows))
+            missed += ok
+            print(f"{'red ' if not ok else 'MISS'} {record.name} control {control.name!r} [metal, emulated]"
+                  f"{': ' + why if not ok else ': gate 4 stayed green'}")
+    return missed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorfold_contract.metal", description=__doc__)
     parser.add_argument("--only", action="append", default=[], help="a kernel, family or plugin name (globs)")
@@ -85,6 +104,10 @@ def main(argv=None) -> int:
     parser.add_argument("--emulate", action="store_true",
                         help="then run each metal source emulated on its first served shape: against its reference, "
                              "and its rows at 1, 2, 3 and 9 rows a call")
+    parser.add_argument("--gate4", action="store_true",
+                        help="with --emulate: gate 4 emulated on every served shape that is not heavy, each call of "
+                             f"1 to {GATE4_ROWS} rows (past both of a GEMV's tile changes), and each planted metal "
+                             "gate-4 control must go red there")
     args = parser.parse_args(argv)
     if args.compiler:
         os.environ["CXX"] = args.compiler
@@ -100,17 +123,20 @@ def main(argv=None) -> int:
     failed = sum(not ok for _, ok, _ in results)
     print(f"{len(results) - failed} of {len(results)} metal builds checked as C++")
     if args.emulate and not failed:
-        from .metal_emu import emulated, emulated_rows
+        from .metal_emu import emulated, emulated_gate4, emulated_rows
 
         chosen = [reg.record for reg in discover() if reg.record is not None and isinstance(
             reg.record.implementations.get("metal"), Source) and (not args.only or reg.matches(args.only))]
         for record in chosen:
             ok, why = emulated(record)
             if ok:
-                ok, why = emulated_rows(record)
+                ok, why = emulated_gate4(record, rows=min(GATE4_ROWS, record.max_rows)) if args.gate4 else \
+                    emulated_rows(record)
             failed += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {record.name} [metal, emulated]{'' if ok else ': ' + why}")
         print(f"{len(chosen) - failed} of {len(chosen)} metal sources matched their references, emulated")
+        if args.gate4:
+            failed += missed_controls(chosen)
     return 1 if failed else 0
 
 

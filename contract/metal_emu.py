@@ -164,3 +164,21 @@ def emulated_rows(record, source: Source | None = None, singles: int = 3, wide: 
     except (RuntimeError, NotImplementedError) as exc:
         return False, f"{shape.label}: {exc}"
     return True, ""
+
+
+def emulated_gate4(record, source: Source | None = None, seed: int = 0, shapes=None,
+                   rows: int | None = None) -> tuple[bool, str]:
+    """Gate 4 as the contract runs it, emulated: on each served shape that is not heavy (or those `shapes` picks from
+    them), every row of each call of 1 to `rows` rows (default: the record's most) bit-equal to its own 1-row call,
+    and a repeat of the widest call equal to it: (ok, why)."""
+    from .gates import Inputs, _bits_of_shape
+
+    source = source or record.implementations["metal"]
+    light = [s for s in record.shapes if not s.heavy and s.rows > 0]
+    inputs = Inputs(record, seed)
+    for shape in (shapes(light) if shapes else light):
+        why = _bits_of_shape(record, "metal", source, shape, inputs, {}, None, [], runner=run_source, rows=rows)
+        if why:
+            return False, why
+    return True, ""
+

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tensorfold_contract.metal_shim import compiler
-from tensorfold_contract.metal_emu import emulated, emulated_rows
+from tensorfold_contract.metal_emu import emulated, emulated_gate4, emulated_rows
 from tensorfold_contract.record import Source
 from tensorfold_contract.registry import discover
 
@@ -41,3 +41,19 @@ def test_a_barrier_only_some_threads_reach_is_reported_not_hung():
     assert stuck.body != metal.body
     ok, why = emulated(record, stuck)
     assert not ok and ("wait at different points" in why or "returned before" in why), why
+
+
+GATE4 = [r for r in METAL if any(c.kind == "metal" and c.gate == 4 for c in r.controls)]
+
+
+@pytest.mark.parametrize("record", GATE4, ids=[r.name for r in GATE4])
+def test_a_planted_metal_gate_4_control_goes_red_under_the_emulated_gate_4_where_the_source_stays_green(record):
+    from tensorfold_contract.metal import GATE4_ROWS
+
+    rows = min(GATE4_ROWS, record.max_rows)
+    control = next(c for c in record.controls if c.kind == "metal" and c.gate == 4)
+    ok, why = emulated_gate4(record, control.plant(record.implementations["metal"]), rows=rows)
+    assert not ok and "differs from its 1-row call" in why
+    caught = next(s for s in record.shapes if why.startswith(f"{s.label}:"))
+    ok, why = emulated_gate4(record, shapes=lambda light: [caught], rows=rows)
+    assert ok, why

@@ -320,6 +320,7 @@ def record(family: str, bits: int, shapes: tuple[Shape, ...]) -> KernelRecord:
             Control("unwritten last columns (grid one group short)", "cuda", 2, relaunch(_one_group_short)),
             Control("warp sums folded in reverse when many rows", "cuda", 4, WARPS_REVERSED_WHEN_MANY),
             Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
+            Control("warp sums folded in reverse when many rows", "metal", 4, WARPS_REVERSED_WHEN_MANY),
             Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
         ]
         impls = {"mlx": mlx_for(16), "cuda": source("cuda", 16), "metal": source("metal", 16)}

@@ -191,6 +191,10 @@ def record(family: str, shapes: tuple[Shape, ...]) -> KernelRecord:
                 "if (rows > 1) { for (int k = warps - 1; k >= 0; --k) total += part[k]; } "
                 "else { for (int k = 0; k < warps; ++k) total += part[k]; }")),
             Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
+            Control("row-count-dependent reduction order", "metal", 4, swap(
+                "for (uint k = 0; k < n / 32; ++k) total += part[k];",
+                "if (rows > 1) { for (int k = (int)(n / 32) - 1; k >= 0; --k) total += part[k]; } "
+                "else { for (uint k = 0; k < n / 32; ++k) total += part[k]; }")),
             Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
         ),
     )
