@@ -388,6 +388,22 @@ def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_call
         assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
 
 
+def test_a_dropped_model_whose_forward_was_compiled_whole_frees_its_layers(through_records, monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
+    cache = model.new_cache(32)
+    model.forward([cache], [[1, 2, 3]], [3])
+    model.keep(cache, 3)
+    assert len(model.whole.compiled) == 1  # a trace holds the layers' weights as its constants
+    layer = weakref.ref(model.model.layers[0])
+    del model, cache
+    gc.collect()
+    assert layer() is None  # MLX's compile cache let go of the trace, and the trace of the layers
+
+
 def test_the_stack_kernels_refuse_what_they_cannot_copy_with_why():
     import mlx.core as mx
 
