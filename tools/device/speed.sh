@@ -16,11 +16,13 @@
 #   normed    the norm folded into the bf16 GEMV against MLX's rms_norm + the plain GEMV, bits first, under ncu, with
 #             the ablations that find where its time goes (bench/bench_normed_gemv.py --ablations)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
+#   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
+#             (tools/device/load_time.py)
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
-# CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut. Everything lands in
-# one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site)
+# CAP_LOAD=150, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
+# Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site)
 # and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes the contract's inputs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -58,6 +60,11 @@ for what in "${@:-bench pair exact contract affine}"; do
           step token "${CAP_TOKEN:-150}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/token.txt" ;;
       exact) OUT=$receipt step exact "${CAP_EXACT:-80}" bash contract/receipts/run_on_h200.sh exact ;;
+      load)
+        OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
+          && python3 tools/device/load_time.py /tmp/b1" \
+          step load "${CAP_LOAD:-150}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/load.txt" ;;
       launch|tiles)
         tiles="bench/bench_gemv_tiles.py --seconds 150 ${TILES_ARGS:-}"
         script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "$tiles")
@@ -76,7 +83,8 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, token, normed, exact, contract, affine, launch, tiles)" >&2; exit 2 ;;
+      *) echo "unknown step $name (bench, pair, token, normed, exact, load, contract, affine, launch, tiles)" >&2
+         exit 2 ;;
     esac
   done
 done
