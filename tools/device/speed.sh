@@ -22,8 +22,9 @@
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
 # CAP_LOAD=150, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
-# Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX (PYTHONPATH=/tmp/site)
-# and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes the contract's inputs.
+# Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
+# (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
+# the contract's inputs.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
