@@ -181,4 +181,3 @@ def emulated_gate4(record, source: Source | None = None, seed: int = 0, shapes=N
         if why:
             return False, why
     return True, ""
-

@@ -393,8 +393,8 @@ class Model(nn.Module):
             parts = [layer.halves or (layer.before_roped, layer.after) for layer in self.model.layers]
             h, keys, values = run_layers(self.model.layers, parts, self.stack_kv, h, positions, groups)
         else:  # every layer in one compiled call: one trace a shape replays every launch without Python
-            layout = tuple((lo, hi, layout.spans if self.whole_spans else None, len(ks))
-                           for lo, hi, layout, ks, _ in groups)
+            layout = tuple((lo, hi, packed.spans if self.whole_spans else None, len(ks))
+                           for lo, hi, packed, ks, _ in groups)
             key = (h.shape[0], layout, tuple(tuple(k.shape) for g in groups for k in g[3]))
             traced = self.whole.get(key, lambda: whole_layers(self.model.layers, self.stack_kv, layout))
             h, keys, values = traced(h, positions, [g[2].rowmap for g in groups], [k for g in groups for k in g[3]],

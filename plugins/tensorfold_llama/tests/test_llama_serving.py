@@ -317,6 +317,24 @@ def compiled_with_and_without(monkeypatch, env: str):
     return served, apart, tokenizer
 
 
+def forward_alike(models, caches: dict, windows: list) -> None:
+    """Each model forwards the windows over its own caches, the logits bit-equal; each keeps all rows but the last
+    (left unkept, as a rejected draft's)."""
+    ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows]) for m in models)
+    assert mx.array_equal(ours, theirs).item()
+    for m in models:
+        for cache, window in zip(caches[id(m)], windows):
+            m.keep(cache, len(window) - 1)
+
+
+def assert_same_stacked_caches(ours: list, theirs: list) -> None:
+    """Stacked caches holding the same committed keys and values, bit for bit."""
+    for a, b in zip(ours, theirs):
+        n = a.offset
+        assert n == b.offset and mx.array_equal(a.k[:, :, :n], b.k[:, :, :n]).item()
+        assert mx.array_equal(a.v[:, :, :n], b.v[:, :, :n]).item()
+
+
 def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_of_one_launch_a_stream(through_records,
                                                                                                     monkeypatch):
     from tensorfold_llama.cache import StackedKV
@@ -330,12 +348,7 @@ def test_ten_streams_attending_in_launches_of_eight_give_the_logits_and_caches_o
     prompts = [prompts[i % len(prompts)][:5 + 3 * i] for i in range(10)]  # ten streams, ragged prompts
     caches = {id(m): [m.new_cache(96) for _ in prompts] for m in (packed, apart)}
     for windows in (prompts, [[7, 8, 9, 10]] * 10, [[11]] * 10, [[12, 13]] * 4):  # the last: four streams only
-        ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows])
-                        for m in (packed, apart))
-        assert mx.array_equal(ours, theirs).item()
-        for m in (packed, apart):
-            for cache, window in zip(caches[id(m)], windows):
-                m.keep(cache, len(window) - 1)  # the last row unkept, as a rejected draft's
+        forward_alike((packed, apart), caches, windows)
     for ours, theirs in zip(caches[id(packed)], caches[id(apart)]):  # each layer's committed keys and values
         n = ours.offset
         assert n == theirs.offset and all(mx.array_equal(ours.k[layer, :, :n], theirs.keys[layer][0, :, :n]).item()
@@ -358,10 +371,7 @@ def test_the_layers_keys_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_
             m.forward(caches[id(m)], windows, [len(w) for w in windows])
             for cache, window in zip(caches[id(m)], windows):
                 m.keep(cache, len(window))
-    for ours, theirs in zip(caches[id(served)], caches[id(apart)]):
-        n = ours.offset
-        assert n == theirs.offset and mx.array_equal(ours.k[:, :, :n], theirs.k[:, :, :n]).item()
-        assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
+    assert_same_stacked_caches(caches[id(served)], caches[id(apart)])
 
 
 def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_called_one_by_one(through_records,
@@ -374,18 +384,10 @@ def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_call
     prompts = [prompts[i % len(prompts)][:4 + 2 * i] for i in range(10)]  # ten streams: two launches a layer
     caches = {id(m): [m.new_cache(64 + 8 * (i % 2)) for i in range(10)] for m in (whole, apart)}
     for windows in (prompts, [[7, 8, 9]] * 10, [[11]] * 10, [[11]] * 10, [[12, 13]] * 3):
-        ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows])
-                        for m in (whole, apart))
-        assert mx.array_equal(ours, theirs).item()
-        for m in (whole, apart):
-            for cache, window in zip(caches[id(m)], windows):
-                m.keep(cache, len(window) - 1)  # the last row unkept, as a rejected draft's
+        forward_alike((whole, apart), caches, windows)
     # a trace a step, each one's spans in its key, but the repeated step (its one row unkept) replayed its trace
     assert len(whole.whole.compiled) == 4
-    for ours, theirs in zip(caches[id(whole)], caches[id(apart)]):
-        n = ours.offset
-        assert n == theirs.offset and mx.array_equal(ours.k[:, :, :n], theirs.k[:, :, :n]).item()
-        assert mx.array_equal(ours.v[:, :, :n], theirs.v[:, :, :n]).item()
+    assert_same_stacked_caches(caches[id(whole)], caches[id(apart)])
 
 
 def test_a_dropped_model_whose_forward_was_compiled_whole_frees_its_layers(through_records, monkeypatch):
