@@ -291,16 +291,25 @@ def swap_tree(module: nn.Module, projection: Swap, norm: Swap) -> None:
 class KeyCompiled:
     """Functions mx.compile'd once for each key: each compiled function holds the one trace, and past `keep` of them
     the least recently used is dropped with its trace, so a server meeting ever new shapes does not grow MLX's
-    compile cache without end."""
+    compile cache without end. With `after` n, a key is traced only once it was met n times before: a shape met
+    once (a prompt's last chunk, a passing mix of streams) costs no trace, which costs several plain calls."""
 
-    def __init__(self, keep: int = 64):
-        self.keep = keep
+    def __init__(self, keep: int = 64, after: int = 0):
+        self.keep, self.after = keep, after
         self.compiled: dict = {}
+        self.met: dict = {}  # key -> times met untraced (the most recent 4 * keep keys)
 
-    def get(self, key, make: Callable[[], Callable]) -> Callable:
-        """The compiled function of `key`, made by mx.compile(make()) the first time the key is met."""
+    def get(self, key, make: Callable[[], Callable]) -> Callable | None:
+        """The compiled function of `key`, made by mx.compile(make()) when the key is met past `after` times; None
+        before that (the caller runs the function uncompiled)."""
         compiled = self.compiled.pop(key, None)
         if compiled is None:
+            met = self.met.pop(key, 0)
+            if met < self.after:
+                self.met[key] = met + 1
+                if len(self.met) > 4 * self.keep:
+                    del self.met[next(iter(self.met))]
+                return None
             compiled = mx.compile(make())
             if len(self.compiled) >= self.keep:
                 del self.compiled[next(iter(self.compiled))]

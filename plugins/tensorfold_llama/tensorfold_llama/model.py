@@ -388,15 +388,16 @@ class Model(nn.Module):
     def forward_streams(self, h: mx.array, spans: Sequence[Span], positions: mx.array) -> mx.array:
         """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
         as they were; then each stream's window of every layer stored at once."""
-        groups = stream_groups(spans)
-        if self.whole is None:
-            parts = [layer.halves or (layer.before_roped, layer.after) for layer in self.model.layers]
-            h, keys, values = run_layers(self.model.layers, parts, self.stack_kv, h, positions, groups)
-        else:  # every layer in one compiled call: one trace a shape replays every launch without Python
+        groups, traced = stream_groups(spans), None
+        if self.whole is not None:  # every layer in one compiled call: one trace a shape replays every launch
             layout = tuple((lo, hi, packed.spans if self.whole_spans else None, len(ks))
                            for lo, hi, packed, ks, _ in groups)
             key = (h.shape[0], layout, tuple(tuple(k.shape) for g in groups for k in g[3]))
             traced = self.whole.get(key, lambda: whole_layers(self.model.layers, self.stack_kv, layout))
+        if traced is None:  # no whole forward, or a shape met for the first time: the layers' parts from Python
+            parts = [layer.halves or (layer.before_roped, layer.after) for layer in self.model.layers]
+            h, keys, values = run_layers(self.model.layers, parts, self.stack_kv, h, positions, groups)
+        else:
             h, keys, values = traced(h, positions, [g[2].rowmap for g in groups], [k for g in groups for k in g[3]],
                                      [v for g in groups for v in g[4]])
         # stored after the last layer's attention has read the caches, so each buffer is updated in place

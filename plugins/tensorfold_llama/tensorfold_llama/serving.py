@@ -119,7 +119,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
 
                     model.stack_kv = STACKS[kind]
                 if os.environ.get(WHOLE_ENV, "1") != "0":
-                    model.whole = KeyCompiled()
+                    model.whole = KeyCompiled(after=1)  # a shape met once (a prompt's last chunk) is not traced
                     model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
         for layer in blocks.layers:  # each norm read by the one launch after it: a launch fewer each
             attn, mlp = layer.self_attn, layer.mlp

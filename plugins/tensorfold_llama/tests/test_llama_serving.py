@@ -383,10 +383,11 @@ def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_call
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     prompts = [prompts[i % len(prompts)][:4 + 2 * i] for i in range(10)]  # ten streams: two launches a layer
     caches = {id(m): [m.new_cache(64 + 8 * (i % 2)) for i in range(10)] for m in (whole, apart)}
-    for windows in (prompts, [[7, 8, 9]] * 10, [[11]] * 10, [[11]] * 10, [[12, 13]] * 3):
+    for windows in (prompts, [[7, 8, 9]] * 10, [[11]] * 10, [[11]] * 10, [[11]] * 10, [[12, 13]] * 3):
         forward_alike((whole, apart), caches, windows)
-    # a trace a step, each one's spans in its key, but the repeated step (its one row unkept) replayed its trace
-    assert len(whole.whole.compiled) == 4
+    # each step's spans are in its key here, so only the repeated step (its one row unkept) met its key again: traced
+    # the second time, replayed the third; the three steps met once ran their layers' parts, untraced
+    assert len(whole.whole.compiled) == 1 and len(whole.whole.met) == 3
     assert_same_stacked_caches(caches[id(whole)], caches[id(apart)])
 
 
@@ -397,8 +398,9 @@ def test_a_dropped_model_whose_forward_was_compiled_whole_frees_its_layers(throu
     monkeypatch.setenv(COMPILE_ENV, "1")
     model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     cache = model.new_cache(32)
-    model.forward([cache], [[1, 2, 3]], [3])
-    model.keep(cache, 3)
+    for kept in (0, 3):  # the same shape twice: traced the second time
+        model.forward([cache], [[1, 2, 3]], [3])
+        model.keep(cache, kept)
     assert len(model.whole.compiled) == 1  # a trace holds the layers' weights as its constants
     layer = weakref.ref(model.model.layers[0])
     del model, cache
@@ -450,6 +452,9 @@ def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
     for key in ("a", "b", "a", "c", "b"):
         keyed.get(key, lambda: made.append(key) or (lambda x: x + 1))
     assert made == ["a", "b", "c", "b"] and list(keyed.compiled) == ["c", "b"]  # b traced again once dropped
+    second = KeyCompiled(after=1)  # a key is traced the second time it is met
+    got = [second.get(key, lambda: (lambda x: x)) for key in ("a", "b", "a", "a")]
+    assert [g is None for g in got] == [True, True, False, False] and got[2] is got[3] and list(second.met) == ["b"]
 
 
 def test_a_group_rank_compiles_no_layer_part_since_its_layers_record_their_sums_as_they_run(through_records,
