@@ -9,7 +9,8 @@ rounds. Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, throu
 `--census` first counts the primitives of one decode step's graph (one stream, then N), which is what MLX evaluates
 on the host node by node: where that evaluation is the cost of a token, fewer nodes is the lever. `--drafter DIR`
 profiles the served engine too (the drafter, copy drafts, priced depths, as a server runs them) beside plain, so a
-served engine's own cost per round shows against plain's: its rounds, windows drafted and rounds run ahead print.
+served engine's own cost per round shows against plain's: its rounds, windows drafted and rounds run ahead print,
+and a round's phases timed unprofiled (planning, building forwards in step, queueing run-ahead steps, the rest).
 """
 
 from __future__ import annotations
@@ -41,6 +42,34 @@ def profiled(run, top: int, dump: Path | None = None) -> str:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
+
+
+def phased(engine, run) -> str:
+    """`run()` with the engine's phases timed unprofiled (cProfile inflates Python several times over): ms a round in
+    planning (drafts and prices), in building forwards that ran in step, in queueing run-ahead steps, and the rest
+    of the rounds (the wait for the device, the read, the draws, the commits)."""
+    spent: Counter = Counter()
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return wrapper
+
+    rounds = engine.rounds
+    engine.plan, engine._forward = timed("plan", engine.plan), timed("forward in step", engine._forward)
+    engine.ahead.launch = timed("queue ahead", engine.ahead.launch)
+    start = time.perf_counter()
+    try:
+        run()
+    finally:
+        del engine.plan, engine._forward, engine.ahead.launch  # the class's own methods again
+    total, n = time.perf_counter() - start, max(engine.rounds - rounds, 1)
+    parts = {**spent, "rest (wait, read, draw, commit)": total - sum(spent.values())}
+    return "  ".join(f"{name} {1e3 * t / n:.3f}" for name, t in parts.items()) + f"  (ms a round, {n} rounds)"
 
 
 def census(model, tokenizer, streams: int) -> Counter:
@@ -115,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             drafted = engine.counters.verdicts.get("drafted", 0) - before[2].get("drafted", 0)
             print(f"\n== {streams} stream(s), {name}: {rate:.1f} tok/s unprofiled; {rounds} rounds, {ahead} run "
                   f"ahead, {drafted} windows drafted")
+            print(phased(engine, lambda: together(model, engine, requests)))
             dump = args.dump / f"{streams}-{name}.prof" if args.dump else None
             if dump is not None:
                 dump.parent.mkdir(parents=True, exist_ok=True)
