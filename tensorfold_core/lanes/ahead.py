@@ -88,11 +88,12 @@ class Lookahead:
         self.launched = Launched(caches, tokens, ahead)
         return tokens
 
-    def confirm(self, draws: list[int], tokens: mx.array) -> None:
-        """The host's draws for the launching round: the queued step stands only where they equal its ids."""
+    def confirm(self, draws: list[int], tokens: mx.array, drawn_from_tokens: bool = False) -> None:
+        """The host's draws for the launching round: the queued step stands only where they equal its ids (at once
+        where the draws were read from those very ids)."""
         if self.launched is None or self.launched.tokens is not tokens:
             return
-        ids = [int(i) for i in np.array(tokens)]
+        ids = list(draws) if drawn_from_tokens else [int(i) for i in np.array(tokens)]
         if ids == draws:
             self.launched.ids = ids
         else:  # a tie or a NaN the host breaks otherwise: that step ran on another id

@@ -296,7 +296,7 @@ class Engine:
             if stream.finish_reason:
                 self._leave(stream)
         if tokens is not None:
-            self.ahead.confirm(firsts, tokens)
+            self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
 
     def _reads_ids(self, group: list[Turn]) -> bool:
