@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from tensorfold_core import traces
 from tensorfold_core.lanes.guards import (FIRST_GAP, MAX_GAP, Ask, DraftPlanner, LoneGuard, SharedGuard,
                                           StandAside, Verified)
 
@@ -445,3 +446,23 @@ def test_a_stream_is_probing_exactly_while_its_probe_is_armed():
     # it drafts its first round, stands aside 64 rounds, probes, stands aside 128, probes; 256 is past the end
     assert probing == [d and r > FIRST_GAP for r, d in enumerate(depths)]
     assert sum(probing) == 2 and depths[0] and not planner.probing(99)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_round_that_traced_a_new_shape_teaches_the_planner_no_cost_and_no_rate(shared):
+    def traced(depths):  # a compile of a new window's shape: a one-off cost its like never pays again
+        traces.note()
+        return 500.0
+
+    def taught(planner):
+        return (planner.costs.line(), planner.costs.step_ms(),
+                {band: line.line() for band, line in planner.shared_costs.items()})
+
+    clock = FakeClock()
+    planner = DraftPlanner(clock=clock)
+    rates = [0.8, 0.8] if shared else [0.8]
+    drive(planner, clock, 50, rates, round_ms=fast, step_ms=0.5)
+    before = taught(planner)
+    log = drive(planner, clock, 40, rates, round_ms=traced, step_ms=40.0)
+    assert taught(planner) == before
+    assert all(sum(depths) for depths in log)  # no guard took the traced rounds' rate for drafting's

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
+from .. import traces
 from ..protocols import DEPTH_RULE, DrafterFacts
 from .grants import GrantLane, Held, fit_one_pass, grants
 from .holds import HoldOffer, keep_holds
@@ -356,6 +357,7 @@ class _Round:
     planned: float | None = None
     caught_up: float | None = None
     proposed: float | None = None
+    traces: int = 0  # the process's trace count at `plan`
 
 
 class DraftPlanner:
@@ -445,7 +447,7 @@ class DraftPlanner:
                     self._grant(ask.stream_id).end_stretch()
         # a round carrying a prompt chunk or no decoding stream tells neither mode's rate
         self._round = _Round(asks, depths, consulted, drafted, bool(asks) and not extra_rows, start, extra_rows,
-                             [f and d > 0 for f, d in zip(first, depths)], self._now())
+                             [f and d > 0 for f, d in zip(first, depths)], self._now(), traces=traces.count())
         return depths
 
     def _priced(self, asks: Sequence[Ask], lanes: Sequence[_Lane], granting: Sequence[bool],
@@ -555,22 +557,26 @@ class DraftPlanner:
             self._time(done, verified, self._now())
 
     def _time(self, done: _Round, verified: Sequence[Verified], end: float) -> None:
+        # a round that traced a new shape paid once what its like never pays again: it tells no cost and no rate
+        # (else the first windows of each new size price copies and drafts out, and nothing prices them back in)
+        traced = traces.count() != done.traces
         steps = max((d for a, d in zip(done.asks, done.depths) if not a.copy), default=0)
         # a catch-up feeds context rows once, after a stand-aside or to a new stream: it is no chain step
         chain_start = done.caught_up if done.caught_up is not None else done.start
-        if done.proposed is not None and steps:
+        if done.proposed is not None and steps and not traced:
             self.costs.observe_steps(steps, done.proposed - chain_start)
         forward_start = done.proposed if done.proposed is not None else done.start
-        lone = done.measured and len(done.asks) == 1
+        measured = done.measured and not traced
+        lone = measured and len(done.asks) == 1
         if lone:  # shared rounds pay per-stream costs a lone round's line must not learn
             self.costs.observe_round(1 + verified[0].offered, end - forward_start)
-        elif done.measured and len(done.asks) >= 2:
+        elif measured and len(done.asks) >= 2:
             line = self.shared_costs.setdefault(SharedGuard.band(len(done.asks)), Costs())
             line.observe_round(sum(1 + v.offered for v in verified), end - forward_start)
         tokens, ms = sum(v.committed for v in verified), end - done.start
         catch_up = done.caught_up - done.planned if done.caught_up is not None else 0.0
         # a drafted round whose windows held no drafts is a plain one in disguise: it tells neither rate
-        told = done.measured and (not done.drafted or any(v.offered for v in verified))
+        told = measured and (not done.drafted or any(v.offered for v in verified))
         if told and len(done.asks) >= 2:
             self.shared.observe(len(done.asks), done.drafted, tokens, ms, catch_up)
         else:

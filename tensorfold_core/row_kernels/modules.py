@@ -10,6 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from tensorfold_contract.helpers import kernel_array
 
+from .. import traces
+
 
 FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op folded in (to measure what fusing saves)
 # "0": o_proj and down_proj launched apart from the residual add and swiglu (to measure what folding them in saves)
@@ -311,6 +313,7 @@ class KeyCompiled:
                     del self.met[next(iter(self.met))]
                 return None
             compiled = mx.compile(make())
+            traces.note()  # the trace runs at the call just after: the round that makes it is not timed
             if len(self.compiled) >= self.keep:
                 del self.compiled[next(iter(self.compiled))]
         self.compiled[key] = compiled  # last in the dict: the most recently used
