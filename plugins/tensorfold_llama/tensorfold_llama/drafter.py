@@ -282,7 +282,7 @@ class LlamaDrafter:
             self.stats["slot_reuses"] += 1
             best.trim(shared)  # only its uncut prefix stands for this context
             best.skipped = best.cut = 0
-            slot = best if best.cache.capacity == capacity else self._resized(best, capacity)
+            slot = best if best.cache.capacity == self.model.capacity_for(capacity) else self._resized(best, capacity)
         self.slots[stream_id] = slot
         return slot
 

@@ -12,7 +12,7 @@ from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
                                       packed_ids, picked_logits, swiglu)
 
-from .cache import KeptKV, KVCache, StackedKV
+from .cache import KeptKV, KVCache, StackedKV, size_class
 
 
 @dataclass
@@ -344,7 +344,13 @@ class Model(nn.Module):
     def new_cache(self, capacity: int, marks: int = 0) -> KVCache:
         a = self.args  # keys trim to any prefix, so no marks are needed
         kind = StackedKV if self.stacked else KVCache
-        return kind(a.num_hidden_layers, a.num_key_value_heads // self.shards, a.head_dim, capacity, self.dtype)
+        return kind(a.num_hidden_layers, a.num_key_value_heads // self.shards, a.head_dim,
+                    self.capacity_for(capacity), self.dtype)
+
+    def capacity_for(self, tokens: int) -> int:
+        """A cache's capacity for a stream of at most `tokens`: where a whole forward's trace is keyed by its caches'
+        shapes, one of a few sizes (at most a quarter over), so that streams of near limits share their traces."""
+        return size_class(tokens) if self.whole is not None and not self.whole_spans else tokens
 
     def snapshot(self, cache: KVCache) -> KeptKV:
         """A standalone copy of the committed tokens' keys and values (a kept prompt state)."""
@@ -362,7 +368,8 @@ class Model(nn.Module):
     def cache_bytes(self, tokens: int) -> int:
         a = self.args
         heads = a.num_key_value_heads // self.shards  # this rank's share
-        return 2 * a.num_hidden_layers * heads * a.head_dim * (tokens + WINDOW_SLACK) * self.dtype.size
+        return 2 * a.num_hidden_layers * heads * a.head_dim * (self.capacity_for(tokens) + WINDOW_SLACK) * \
+            self.dtype.size
 
     def forward(self, caches: Sequence[KVCache], windows: Sequence[Sequence[int]],
                 logit_rows: Sequence[int]) -> mx.array:

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from tensorfold_core import traces
 from tensorfold_core.capabilities import capabilities
 from tensorfold_core.kernels import BUILTIN, KERNELS_ENV, describe, missing_records, served
 from tensorfold_core.lanes.types import GenerationRequest
@@ -453,8 +454,26 @@ def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
         keyed.get(key, lambda: made.append(key) or (lambda x: x + 1))
     assert made == ["a", "b", "c", "b"] and list(keyed.compiled) == ["c", "b"]  # b traced again once dropped
     second = KeyCompiled(after=1)  # a key is traced the second time it is met
+    before = traces.count()
     got = [second.get(key, lambda: (lambda x: x)) for key in ("a", "b", "a", "a")]
     assert [g is None for g in got] == [True, True, False, False] and got[2] is got[3] and list(second.met) == ["b"]
+    assert traces.count() == before + 1  # the one trace is counted, so the round that ran it is left untimed
+
+
+def test_where_a_forward_is_compiled_whole_without_offsets_caches_come_in_four_sizes_an_octave(through_records,
+                                                                                                monkeypatch):
+    from tensorfold_llama.cache import size_class
+    from tensorfold_llama.serving import WHOLE_ENV
+
+    whole, apart, _ = compiled_with_and_without(monkeypatch, WHOLE_ENV)
+    assert whole.new_cache(100).capacity == 100  # this CPU's whole forward keys on offsets: exact sizes still
+    whole.whole_spans = False  # as on a GPU, where a trace is keyed by the caches' shapes
+    for limit, size in ((1, 256), (100, 256), (257, 320), (1025, 1280), (1728, 1792)):
+        cache = whole.new_cache(limit)
+        assert cache.capacity == size == size_class(size)  # a kept state restored at its capacity keeps its size
+        assert whole.cache_bytes(limit) == cache.k.nbytes + cache.v.nbytes  # the ledger charges what is held
+        assert apart.new_cache(limit).capacity == limit
+    assert all(t <= size_class(t) <= max(256, 1.25 * t) for t in range(1, 20000))
 
 
 def test_a_group_rank_compiles_no_layer_part_since_its_layers_record_their_sums_as_they_run(through_records,
