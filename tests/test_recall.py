@@ -44,6 +44,15 @@ def test_the_copy_proposer_copies_from_the_streams_own_context_first_then_recall
     assert CopyProposer().propose([DraftAsk(1, [40, 41, 6, 7], 2)]) == [[]]  # without kept states: none
 
 
+def test_the_copy_proposer_lists_the_kept_states_once_a_round_whatever_its_streams():
+    listed = []
+    kept = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6]]
+    proposer = CopyProposer(lambda: listed.append(1) or kept)
+    asks = [DraftAsk(i, [20 + i, 21 + i, 3, 4], 3) for i in range(8)]  # no stream's own context holds its suffix
+    assert proposer.propose(asks) == [[5, 6, 7]] * 8 and len(listed) == 1
+    assert proposer.propose([DraftAsk(9, [3, 4, 40, 3, 4], 2)]) == [[40, 3]] and len(listed) == 1  # its own first
+
+
 def test_a_streams_copy_windows_are_priced_by_its_own_history_of_each_source():
     planner = DraftPlanner(timed=False)
     recall, context = Ask(0, 7, 100, copy=True, source=RECALL), Ask(0, 7, 100, copy=True, source=CONTEXT)

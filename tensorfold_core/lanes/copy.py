@@ -48,7 +48,8 @@ class Recall:
         self.kept = kept  # the kept states' tokens, oldest first (read on the engine thread, which keeps them)
         self._indexes: dict[int, tuple[Sequence[int], CopyIndex]] = {}  # by id of a kept token sequence
 
-    def _refresh(self) -> list[tuple[Sequence[int], CopyIndex]]:
+    def refresh(self) -> list[tuple[Sequence[int], CopyIndex]]:
+        """The kept states' indexes, newest first; a state new since the last refresh is indexed once."""
         states = list(self.kept())[-MAX_RECALLED:]
         live = {id(tokens): tokens for tokens in states}
         for key in [k for k in self._indexes if k not in live]:
@@ -60,8 +61,11 @@ class Recall:
                 self._indexes[key] = (tokens, index)
         return [self._indexes[id(tokens)] for tokens in reversed(states)]
 
-    def lookup(self, tokens: Sequence[int], depth: int) -> list[int]:
-        indexes = self._refresh()
+    def lookup(self, tokens: Sequence[int], depth: int,
+               indexes: list[tuple[Sequence[int], CopyIndex]] | None = None) -> list[int]:
+        """The continuation of the context's suffix in the newest kept state holding it (`indexes`: a refresh made
+        for this round, shared by its streams)."""
+        indexes = self.refresh() if indexes is None else indexes
         for n in NGRAMS:
             if len(tokens) < n:
                 continue
@@ -85,7 +89,7 @@ class CopyProposer:
         self.sources: dict[int, str] = {}  # each stream's last copy's source
 
     def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
-        out = []
+        out, recalled = [], None  # the kept states are listed once a call, not once a stream
         for ask in asks:
             index = self.indexes.setdefault(ask.stream_id, CopyIndex())
             index.update(ask.tokens)
@@ -95,7 +99,8 @@ class CopyProposer:
                 continue
             copy, self.sources[ask.stream_id] = (index.lookup(ask.tokens, ask.depth) if ask.depth > 0 else []), CONTEXT
             if not copy and ask.depth > 0 and self.recall is not None:
-                copy, self.sources[ask.stream_id] = self.recall.lookup(ask.tokens, ask.depth), RECALL
+                recalled = self.recall.refresh() if recalled is None else recalled
+                copy, self.sources[ask.stream_id] = self.recall.lookup(ask.tokens, ask.depth, recalled), RECALL
             out.append(copy)
         return out
 
