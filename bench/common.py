@@ -211,7 +211,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}, "all-inputs": {"TENSORFOLD_NARROW_INPUTS": "0"},
             "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
             "norms-apart": {"TENSORFOLD_NORM_IN": "0"}, "small-inputs": {"TENSORFOLD_PAD_INPUTS": "0"},
-            "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}, "rows-read": {"TENSORFOLD_DEVICE_GREEDY": "0"}}
+            "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}, "rows-read": {"TENSORFOLD_DEVICE_GREEDY": "0"},
+            "ops-100": {"MLX_MAX_OPS_PER_BUFFER": "100"}, "ops-250": {"MLX_MAX_OPS_PER_BUFFER": "250"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -233,7 +234,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     TENSORFOLD_PAD_INPUTS=0, `:parts-compiled` calls each layer's compiled parts and its attention from Python
     instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy
     round's logits rows and draws on the host instead of reading the device's greedy ids,
-    TENSORFOLD_DEVICE_GREEDY=0): the JSON its last line prints."""
+    TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit MLX's CUDA graphs every 100 or 250 kernels instead
+    of MLX's default 20, MLX_MAX_OPS_PER_BUFFER): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
