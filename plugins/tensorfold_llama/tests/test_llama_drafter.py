@@ -212,6 +212,22 @@ def test_a_kept_slot_of_another_size_is_copied_into_one_of_the_new_streams_size(
     assert drafter.stats["slot_reuses"] == 1 and drafter.slot_bytes() == drafter.slot_bytes_for(limit)
 
 
+def test_where_caches_come_in_size_classes_a_kept_slot_of_the_new_streams_class_is_adopted_as_it_is(target,
+                                                                                                     drafter_dir):
+    from tensorfold_core.row_kernels.modules import KeyCompiled
+
+    drafter = start(target, Checkpoint.open(drafter_dir), NO_EOS.replace(max_kept=2))
+    # as on a GPU, where a whole forward's trace is keyed by its caches' shapes (this CPU's forward never reads it)
+    drafter.model.whole, drafter.model.whole_spans = KeyCompiled(), False
+    (drafts,) = drafter.propose([DraftAsk(1, PROMPT, 5, limit=2400)])  # a slot of 2,560 tokens
+    drafter.release(1)
+    kept = drafter.kept[0].cache
+    follow_up, limit = PROMPT + drafts[:3] + [42, 43], 2100  # 2,304 tokens asked: in the same class
+    assert drafter.propose([DraftAsk(2, follow_up, 5, limit=limit)]) == [serial(drafter.model, follow_up, 5)]
+    assert drafter.slots[2].cache is kept and kept.capacity == 2560  # not copied into a cache of the same size
+    assert drafter.slot_bytes() == drafter.slot_bytes_for(limit)
+
+
 def test_a_padded_drafter_vocab_never_yields_an_id_past_the_targets_vocab(target, drafter_dir, tmp_path):
     loud = copy_checkpoint(drafter_dir, tmp_path / "loud")
     tensors = mx.load(str(loud / "model.safetensors"))
