@@ -136,8 +136,8 @@ class LlamaDrafter:
 
     def slot_capacity(self, tokens: int) -> int:
         """Tokens a slot is made for, for a stream of at most `tokens`: its chain's drafts fit too, and capacities
-        come in the cache's steps so a kept slot often fits a later stream as it is."""
-        return -(-(tokens + self.max_depth) // GROW_STEP) * GROW_STEP
+        come in the cache's steps (and its model's size classes) so a kept slot often fits a later stream as it is."""
+        return self.model.capacity_for(-(-(tokens + self.max_depth) // GROW_STEP) * GROW_STEP)
 
     def slot_bytes(self) -> int:
         """Bytes the live streams' slots hold."""
@@ -282,7 +282,7 @@ class LlamaDrafter:
             self.stats["slot_reuses"] += 1
             best.trim(shared)  # only its uncut prefix stands for this context
             best.skipped = best.cut = 0
-            slot = best if best.cache.capacity == self.model.capacity_for(capacity) else self._resized(best, capacity)
+            slot = best if best.cache.capacity == capacity else self._resized(best, capacity)
         self.slots[stream_id] = slot
         return slot
 
