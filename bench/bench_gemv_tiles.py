@@ -7,11 +7,13 @@ output first checked bit-equal to the served geometry's (geometry never changes 
 # (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
 # own 1-row call (row invariance, as gate 4 asks), and timed beside. MLX's matmul is timed as the speed to beat.
 # The sweep stops starting cells after --seconds so a device call ends inside its limit; the JSON is rewritten as
-# it goes.
+# it goes. --cold cycles each call through copies of the weights filling COLD_BYTES, so that every call reads them
+# from HBM as a decode's layers do (the H200's L2 holds 50 MB: a 2048x8192 matrix called again is read from there).
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -27,22 +29,31 @@ SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192), (8192, 8192))  # (N, K): a 1
 ROWS = (1, 2, 4, 5, 8, 10, 16, 20, 32, 40, 64, 128)
 REPS, LAUNCHES = 3, 20
 REGISTERS = 160  # geometries whose accumulators and loads would spill are left out
+COLD_BYTES = 512 << 20  # ten times the H200's L2
 
 
 def geometries(warps: int) -> list[tuple[int, int, int]]:
     """Every geometry for the served split; fewer for the others (each template is a compile of its own)."""
     out = []
-    for maxt in (1, 2, 4, 8):
+    for maxt in (1, 2, 4, 8) if warps == gemv.WARPS else (1, 2):
         for mt in (1, 2, 4) if warps == gemv.WARPS else (1, 2):
-            for u in (1, 2, 4, 8) if warps == gemv.WARPS else (2, 4):
+            for u in (1, 2, 4, 8) if warps == gemv.WARPS else (1, 2, 4):
                 shared = 4 * warps * 8 * maxt * 16
                 if 4 * mt * maxt + 8 * u * mt <= REGISTERS and shared <= 48 * 1024:
                     out.append((maxt, mt, u))
     return out
 
 
-def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: tuple[int, int, int]):
+def copies(w: mx.array, cold: bool) -> list[mx.array]:
+    """The weights once, or (cold) as many copies as fill COLD_BYTES, for calls that cycle through them."""
+    out = [w] + [w + 0 for _ in range(-(-COLD_BYTES // w.nbytes) - 1 if cold else 0)]
+    mx.eval(out)
+    return out
+
+
+def kernel_call(n: int, k: int, x: mx.array, ws: list[mx.array], warps: int, geometry: tuple[int, int, int]):
     maxt, mt, u = geometry
+    turn = itertools.cycle(ws)
     rows = x.shape[0]
     source = gemv.source("cuda", 16)
     kernel = _build("cuda", source, 0)
@@ -50,7 +61,7 @@ def kernel_call(n: int, k: int, x: mx.array, w: mx.array, warps: int, geometry: 
     blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt)
 
     def call():
-        return kernel(inputs=[x, w, dims], template=[("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u),
+        return kernel(inputs=[x, next(turn), dims], template=[("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u),
                                                      ("T", mx.bfloat16)],
                       grid=(blocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
                       output_shapes=[(rows, n)], output_dtypes=[mx.bfloat16])[0]
@@ -67,20 +78,22 @@ def sweep(args) -> tuple[list[dict], list[str]]:
         w = mx.random.normal((n, k), key=mx.random.key(1)).astype(mx.bfloat16) / (k ** 0.5)
         x_all = mx.random.normal((max(row_counts), k), key=mx.random.key(2)).astype(mx.bfloat16)
         mx.eval(w, x_all)
+        ws = copies(w, args.cold)
+        mlx_turn = itertools.cycle(ws)
         weight_bytes = n * k * 2
         for rows in row_counts:
             if time.monotonic() - start > args.seconds:
                 return cells, failures + [f"cut at {args.seconds} s before N={n} K={k} rows {rows}"]
             x = x_all[:rows]
             mx.eval(x)
-            t_mlx = timed(lambda: x @ w.T, REPS, LAUNCHES)
+            t_mlx = timed(lambda: x @ next(mlx_turn).T, REPS, LAUNCHES)
             cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.tiles(rows)),
                     "geometries": []}
             for warps in warps_list:
                 own = gemv.tiles(rows) if warps == gemv.WARPS else geometries(warps)[0]
                 try:
-                    first = kernel_call(n, k, x, w, warps, own)()
-                    alone = kernel_call(n, k, x[:1], w, warps, gemv.tiles(1) if warps == gemv.WARPS else own)()
+                    first = kernel_call(n, k, x, ws, warps, own)()
+                    alone = kernel_call(n, k, x[:1], ws, warps, gemv.tiles(1) if warps == gemv.WARPS else own)()
                     mx.eval(first, alone)
                 except RuntimeError as exc:
                     failures.append(f"NOTE WARPS={warps} {own} N={n} K={k} rows {rows}: {str(exc)[:160]}")
@@ -90,7 +103,7 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                 for geometry in geometries(warps):
                     if (warps, geometry) in refused:
                         continue
-                    call = kernel_call(n, k, x, w, warps, geometry)
+                    call = kernel_call(n, k, x, ws, warps, geometry)
                     try:
                         same = mx.array_equal(call(), first).item()
                     except RuntimeError as exc:  # more registers or shared memory than a launch may have
@@ -118,7 +131,7 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                   f"{best_any['maxt'], best_any['mt'], best_any['u']} {best_any['us']:7.1f} us", flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"mlx": mx.__version__, "cells": cells, "failures": failures,
+                    json.dump({"mlx": mx.__version__, "cold": args.cold, "cells": cells, "failures": failures,
                                "refused": {f"WARPS={w} {g}": why for (w, g), why in refused.items()}}, f, indent=1)
     return cells, failures
 
@@ -132,6 +145,8 @@ def main() -> int:
     parser.add_argument("--rows", help="row counts to time, e.g. 1,4,8 (default: 1 to 128)")
     parser.add_argument("--shapes", help="N x K shapes to time, e.g. 2048x2048,2048x8192 "
                                          "(default: the 1B's and 8192^2)")
+    parser.add_argument("--cold", action="store_true", help="read the weights from HBM in every call, as a decode "
+                        "does (calls cycle through copies filling 512 MB)")
     args = parser.parse_args()
     if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
         print("the tile sweep times the cuda source: no CUDA device here", file=sys.stderr)

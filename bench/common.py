@@ -212,7 +212,9 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
             "norms-apart": {"TENSORFOLD_NORM_IN": "0"}, "small-inputs": {"TENSORFOLD_PAD_INPUTS": "0"},
             "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}, "rows-read": {"TENSORFOLD_DEVICE_GREEDY": "0"},
-            "ops-100": {"MLX_MAX_OPS_PER_BUFFER": "100"}, "ops-250": {"MLX_MAX_OPS_PER_BUFFER": "250"}}
+            "ops-100": {"MLX_MAX_OPS_PER_BUFFER": "100"}, "ops-250": {"MLX_MAX_OPS_PER_BUFFER": "250"},
+            **{f"w{w}{mt}": {"TENSORFOLD_GEMV_NARROW": f"{w}{mt.replace('-mt', ':')}"}
+               for w in (16, 32) for mt in ("", "-mt1")}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -235,7 +237,9 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy
     round's logits rows and draws on the host instead of reading the device's greedy ids,
     TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit MLX's CUDA graphs every 100 or 250 kernels instead
-    of MLX's default 20, MLX_MAX_OPS_PER_BUFFER): the JSON its last line prints."""
+    of MLX's default 20, MLX_MAX_OPS_PER_BUFFER, `:w16` and `:w32` split K over 16 or 32 warps in the bf16 GEMVs of
+    fewer than 4,096 outputs (`:w16-mt1`, `:w32-mt1` with one 16-column tile a warp), TENSORFOLD_GEMV_NARROW): the
+    JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

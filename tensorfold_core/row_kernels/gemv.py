@@ -23,6 +23,10 @@ WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input ste
 # and of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
 STEPS_ENV = "TENSORFOLD_GEMV_STEPS"  # U, the 32-input steps a warp loads at once (a measurement; bits never move)
+# "W" or "W:MT": the K split and column tiles a warp of calls with fewer than NARROW_COLUMNS outputs (a measurement:
+# another split orders every sum of those shapes anew, alike at any row count, so the contract must prove it again)
+NARROW_ENV = "TENSORFOLD_GEMV_NARROW"
+NARROW_COLUMNS = 4096  # below this a call has fewer 32-column blocks than the H200 has SMs (132)
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
 
 
@@ -42,6 +46,22 @@ def tiles(rows: int) -> tuple[int, int, int]:
     # registers cost more than the weights they share
     steps = int(os.environ.get(STEPS_ENV, "1"))
     return (1, 2, steps) if rows <= 8 else (2, 2, steps)
+
+
+def geometry(n: int, rows: int) -> tuple[int, int, int, int]:
+    """The bf16 kernel's (WARPS, MAXT, MT, U) for a call of `rows` rows and `n` outputs: the K split follows the
+    shape alone, never the rows, so each (row, column) sum keeps its order in a call of any row count."""
+    maxt, mt, u = tiles(rows)
+    narrow = os.environ.get(NARROW_ENV, "")
+    if not narrow or n >= NARROW_COLUMNS:
+        return WARPS, maxt, mt, u
+    warps, _, narrow_mt = narrow.partition(":")
+    return int(warps), maxt, int(narrow_mt or mt), u
+
+
+def template_value(launch: Launch, name: str) -> int:
+    """One of a launch's template constants."""
+    return dict(launch.template)[name]
 
 
 def shard_sizes(columns: list[tuple[str, int, int]], rows: list[tuple[str, int, int]], bits: int, group: int = 64,
@@ -157,13 +177,13 @@ def _inputs_for(bits: int):
 
 
 def _launch_bf16(case) -> Launch:
-    maxt, mt, u = tiles(case.rows)
+    warps, maxt, mt, u = geometry(case.dims["n"], case.rows)
     blocks = groups(case.dims["n"], 16 * mt) * groups(case.rows, 8 * maxt)
     out = out_dtype(case.dims)
-    return Launch(grid=(blocks * WARPS * 32 if case.rows else 0, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+    return Launch(grid=(blocks * warps * 32 if case.rows else 0, 1, 1), threadgroup=(warps * 32, 1, 1),
                   output_shapes=((case.rows, case.dims["n"]),), output_dtypes=(out,),
-                  template=(("WARPS", WARPS), ("MAXT", maxt), ("MT", mt), ("U", u), ("T", out)),
-                  static_shared=4 * WARPS * 8 * maxt * 16)  # part: each warp's sums before the fold
+                  template=(("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u), ("T", out)),
+                  static_shared=4 * warps * 8 * maxt * 16)  # part: each warp's sums before the fold
 
 
 def _launch_affine_for(bits: int):

@@ -22,8 +22,8 @@ from tensorfold_contract import (Control, KernelRecord, Launch, Shape, Source, T
                                  relaunch, swap, variant)
 from tensorfold_contract.helpers import BF16_ULP, bf16, groups, int_array
 
-from .gemv import (NOT_INVARIANT_ON_CUDA, OUT, WARPS, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16,
-                   _one_group_short, tiles, tolerance as gemv_tolerance)
+from .gemv import (NOT_INVARIANT_ON_CUDA, OUT, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16,
+                   _one_group_short, template_value, tolerance as gemv_tolerance)
 from .gemv_sources import CUDA_BF16, CUDA_BF16_HEADER, METAL_BF16
 
 FUSIONS = ("residual", "swiglu residual", "swiglu")
@@ -135,11 +135,11 @@ def _inputs_swiglu(case):
 
 def _launch_swiglu(case) -> Launch:
     """The bf16 GEMV's launch with two 16-column tiles a block, the gate's and the up's of the same 16 columns."""
-    maxt, _, u = tiles(case.rows)
     launch = _launch_bf16(case)
+    warps, maxt = template_value(launch, "WARPS"), template_value(launch, "MAXT")
     blocks = groups(case.dims["n"], 16) * groups(case.rows, 8 * maxt)
     template = tuple((name, 2 if name == "MT" else value) for name, value in launch.template)
-    return dataclasses.replace(launch, grid=(blocks * WARPS * 32 if case.rows else 0, 1, 1), template=template,
+    return dataclasses.replace(launch, grid=(blocks * warps * 32 if case.rows else 0, 1, 1), template=template,
                                static_shared=launch.static_shared + 2 * 8 * maxt * 16)  # and the rounded gate sums
 
 

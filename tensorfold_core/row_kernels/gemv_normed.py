@@ -18,7 +18,7 @@ import numpy as np
 from tensorfold_contract import Control, KernelRecord, Shape, Source, Tolerance, oversize_threadgroup, swap, variant
 from tensorfold_contract.helpers import BF16_ULP, bf16, int_array, row_scales
 
-from .gemv import NOT_INVARIANT_ON_CUDA, OUT, WARPS, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16, tiles
+from .gemv import NOT_INVARIANT_ON_CUDA, OUT, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16, template_value
 from .gemv import tolerance as gemv_tolerance
 from .gemv_fused import (CUDA_SWIGLU_HEADER, METAL_SWIGLU_PAIR_HEADER, _launch_swiglu, _text, edges, mlx_for, once,
                          swiglu_host, tolerance_swiglu)
@@ -137,8 +137,8 @@ def _inputs(case):
 def _launch_for(fusion: str):
     def launch(case):
         base = _launch_swiglu(case) if fusion == "norm swiglu" else _launch_bf16(case)
-        rb = 8 * tiles(case.rows)[0]
-        return dataclasses.replace(base, static_shared=base.static_shared + 4 * rb * (WARPS + 1))  # tf_ss, tf_inv
+        rb, warps = 8 * template_value(base, "MAXT"), template_value(base, "WARPS")
+        return dataclasses.replace(base, static_shared=base.static_shared + 4 * rb * (warps + 1))  # tf_ss, tf_inv
 
     return launch
 
