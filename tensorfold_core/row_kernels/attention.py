@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import numpy as np
 
@@ -19,6 +20,8 @@ SPLIT = 256  # keys a split: split s holds the absolute positions s*SPLIT .. s*S
 # loading every key before its first use holds 70-80 registers a thread on sm_90, too many for 1,024 threads
 GROUPS = 2
 THREADS = GROUPS * SPLIT  # one thread a key of each split a block runs
+# "KC,VC": the CUDA body's 16-byte key loads and value loads a thread issues together (a measurement: bits never move)
+CHUNKS_ENV = "TENSORFOLD_ATTENTION_CHUNKS"
 STALE = 37  # keys the test cache holds past a window's last row: NaN, so a kernel that reads one fails
 VMAX = 2.0  # |v| <= VMAX in the drawn inputs; the tolerance is in units of it
 QSPREAD = 1.0  # q rows scaled by 10^(-QSPREAD..QSPREAD): flat and one-hot softmaxes alike
@@ -102,6 +105,12 @@ def _window_of(a, start: int, stop: int, split: int):
 
 
 @functools.lru_cache(maxsize=1024)
+def chunks() -> tuple[tuple[str, int], ...]:
+    """The CUDA body's KC and VC: loads in flight, not sums, so any choice gives the same bits."""
+    kc, vc = (int(v) for v in os.environ.get(CHUNKS_ENV, "8,16").split(","))
+    return ("KC", kc), ("VC", vc)
+
+
 def _geometry(rows: int, heads: int, dim: int, groups: int = GROUPS, out=None) -> Launch:
     """One block of `groups` x SPLIT threads per (row, head): grid in threads, x the head, y the row. The groups only
     run splits side by side (they are folded in split order whatever their number), so they never move a bit. `out`:
@@ -111,7 +120,7 @@ def _geometry(rows: int, heads: int, dim: int, groups: int = GROUPS, out=None) -
     threads = groups * SPLIT
     return Launch(grid=(heads * threads if rows else 0, rows, 1), threadgroup=(threads, 1, 1),
                   output_shapes=((rows, heads, dim),), output_dtypes=(out or mx.float32,),
-                  template=(("D", dim), ("SPLIT", SPLIT), ("GROUPS", groups)),
+                  template=(("D", dim), ("SPLIT", SPLIT), ("GROUPS", groups), *chunks()),
                   # wmax, wsum, ew, part, smax, ssum and sval, each one a group, and the scaled query row
                   static_shared=4 * (groups * (2 * (SPLIT // 32) + 2 * SPLIT + 2 + dim) + dim))
 

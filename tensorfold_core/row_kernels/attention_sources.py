@@ -3,7 +3,8 @@
 # Both bodies take q [rows, H, D], the cache's k and v [KV, C, D] (C: the buffer's capacity, which only sets the
 # stride), scale [1] and dims [rows, H, KV, C, offset, window]; out [rows, H, D] is float32. Template constants:
 # D (head dim, a multiple of 32 dividing SPLIT), SPLIT (keys a split, one thread each) and GROUPS (splits a block
-# runs side by side: its threads are GROUPS * SPLIT).
+# runs side by side: its threads are GROUPS * SPLIT); the CUDA body's KC and VC, the 16-byte key loads and the value
+# loads a thread issues together (how many loads are in flight, never the order of a sum).
 
 from tensorfold_contract.kernel_text import select_chain
 
@@ -59,9 +60,9 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   const int j = base + t;
   const auto krow = k + (kv0 + min(max(j, lo), p)) * D;
   float sc = 0.0f;
-  if (keyed) {  // the key's row in 16-byte loads, up to 8 in flight at once, summed in order c = 0..D-1
+  if (keyed) {  // the key's row in 16-byte loads, up to KC in flight at once, summed in order c = 0..D-1
     constexpr int VEC = 16 / sizeof(krow[0]);
-    constexpr int CHUNK = D / VEC < 8 ? D / VEC : 8;
+    constexpr int CHUNK = D / VEC < KC ? D / VEC : KC;
     const uint4* kvec = reinterpret_cast<const uint4*>(krow);  // a row starts D elements in: 16-byte aligned
 #pragma unroll
     for (int c0 = 0; c0 < D / VEC; c0 += CHUNK) {
@@ -98,17 +99,17 @@ for (int first = lo / SPLIT; first <= last; first += GROUPS) {
   float acc = 0.0f;
   {
     const auto vd = v + kv0 * D + d;
-    for (int j16 = jb; j16 < je; j16 += 16) {
-      float vs[16];  // a chunk's loads first (keys past je load nothing), so all 16 are in flight before the first sum
-      if (j16 + 16 <= je) {  // a whole chunk: no predicate per load
+    for (int j16 = jb; j16 < je; j16 += VC) {
+      float vs[VC];  // a chunk's loads first (keys past je load nothing), so all VC are in flight before the first sum
+      if (j16 + VC <= je) {  // a whole chunk: no predicate per load
 #pragma unroll
-        for (int i = 0; i < 16; ++i) vs[i] = static_cast<float>(vd[(size_t)(j16 + i) * D]);
+        for (int i = 0; i < VC; ++i) vs[i] = static_cast<float>(vd[(size_t)(j16 + i) * D]);
       } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) vs[i] = j16 + i < je ? static_cast<float>(vd[(size_t)(j16 + i) * D]) : 0.0f;
+        for (int i = 0; i < VC; ++i) vs[i] = j16 + i < je ? static_cast<float>(vd[(size_t)(j16 + i) * D]) : 0.0f;
       }
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < VC; ++i) {
         const int j = j16 + i;
         const float vj = vs[i];
         if (j < je) acc = fmaf(ew[g][j - base], vj, acc);

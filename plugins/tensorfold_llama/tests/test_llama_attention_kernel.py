@@ -139,6 +139,8 @@ extern "C" __global__ void attn(const {t}* q, const {t}* k, const {t}* v, const 
   constexpr int D = {d};
   constexpr int SPLIT = {split};
   constexpr int GROUPS = {groups};
+  constexpr int KC = {kc};
+  constexpr int VC = {vc};
 {body}
 }}
 """
@@ -163,7 +165,9 @@ def test_the_cuda_source_and_its_planted_controls_compile_for_sm90():
                                                                   ("__nv_bfloat16", 128))]
     builds += [(name, "__nv_bfloat16", 64) for name, _ in bodies[1:]]
     texts = {name: body for name, body in bodies}
-    jobs = [_WRAPPER.format(t=t, d=d, split=attention.SPLIT, groups=attention.GROUPS, body=texts[name])
+    chunks = dict(attention.chunks())
+    jobs = [_WRAPPER.format(t=t, d=d, split=attention.SPLIT, groups=attention.GROUPS, kc=chunks["KC"],
+                            vc=chunks["VC"], body=texts[name])
             for name, t, d in builds]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(_nvcc, jobs))
