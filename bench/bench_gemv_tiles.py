@@ -1,8 +1,8 @@
 """The bf16 GEMV record's tile geometry swept on CUDA: every (MAXT, MT, U) timed per row count and shape, each
 output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
 
-# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,4,16] [--rows 1,4,8] [--shapes 2048x2048]
-# The served tiles (gemv.tiles) against every other geometry of the same K split (WARPS): an output that differs
+# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,16] [--cold] [--rows 1,4,8] [--shapes 2048x2048]
+# The served tiles (gemv.geometry) against every other geometry of the same K split: an output that differs
 # in one bit from the served geometry's is a failure, and that geometry is not timed. Other splits change the sums
 # (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
 # own 1-row call (row invariance, as gate 4 asks), and timed beside. MLX's matmul is timed as the speed to beat.
@@ -32,12 +32,12 @@ REGISTERS = 160  # geometries whose accumulators and loads would spill are left 
 COLD_BYTES = 512 << 20  # ten times the H200's L2
 
 
-def geometries(warps: int) -> list[tuple[int, int, int]]:
-    """Every geometry for the served split; fewer for the others (each template is a compile of its own)."""
+def geometries(warps: int, served: int) -> list[tuple[int, int, int]]:
+    """Every geometry for the `served` split; fewer for the others (each template is a compile of its own)."""
     out = []
-    for maxt in (1, 2, 4, 8) if warps == gemv.WARPS else (1, 2):
-        for mt in (1, 2, 4) if warps == gemv.WARPS else (1, 2):
-            for u in (1, 2, 4, 8) if warps == gemv.WARPS else (1, 2, 4):
+    for maxt in (1, 2, 4, 8) if warps == served else (1, 2):
+        for mt in (1, 2, 4) if warps == served else (1, 2):
+            for u in (1, 2, 4, 8) if warps == served else (1, 2, 4):
                 shared = 4 * warps * 8 * maxt * 16
                 if 4 * mt * maxt + 8 * u * mt <= REGISTERS and shared <= 48 * 1024:
                     out.append((maxt, mt, u))
@@ -81,26 +81,27 @@ def sweep(args) -> tuple[list[dict], list[str]]:
         ws = copies(w, args.cold)
         mlx_turn = itertools.cycle(ws)
         weight_bytes = n * k * 2
+        split = gemv.geometry(n, 1)[0]  # the served K split of this shape, at any row count
         for rows in row_counts:
             if time.monotonic() - start > args.seconds:
                 return cells, failures + [f"cut at {args.seconds} s before N={n} K={k} rows {rows}"]
             x = x_all[:rows]
             mx.eval(x)
             t_mlx = timed(lambda: x @ next(mlx_turn).T, REPS, LAUNCHES)
-            cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.tiles(rows)),
+            cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.geometry(n, rows)[1:]),
                     "geometries": []}
             for warps in warps_list:
-                own = gemv.tiles(rows) if warps == gemv.WARPS else geometries(warps)[0]
+                own = gemv.geometry(n, rows)[1:] if warps == split else geometries(warps, split)[0]
                 try:
                     first = kernel_call(n, k, x, ws, warps, own)()
-                    alone = kernel_call(n, k, x[:1], ws, warps, gemv.tiles(1) if warps == gemv.WARPS else own)()
+                    alone = kernel_call(n, k, x[:1], ws, warps, gemv.geometry(n, 1)[1:] if warps == split else own)()
                     mx.eval(first, alone)
                 except RuntimeError as exc:
                     failures.append(f"NOTE WARPS={warps} {own} N={n} K={k} rows {rows}: {str(exc)[:160]}")
                     continue
                 if not mx.array_equal(first[:1], alone).item():
                     failures.append(f"WARPS={warps} N={n} K={k}: row 0 of {rows} rows differs from its 1-row call")
-                for geometry in geometries(warps):
+                for geometry in geometries(warps, split):
                     if (warps, geometry) in refused:
                         continue
                     call = kernel_call(n, k, x, ws, warps, geometry)
@@ -116,9 +117,9 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                     cell["geometries"].append({"warps": warps, "maxt": geometry[0], "mt": geometry[1],
                                                "u": geometry[2], "us": round(t * 1e6, 1),
                                                "gbps": round(weight_bytes / t / 1e9, 1)})
-            served = next((g for g in cell["geometries"] if g["warps"] == gemv.WARPS
+            served = next((g for g in cell["geometries"] if g["warps"] == split
                            and [g["maxt"], g["mt"], g["u"]] == cell["served"]), {"us": float("nan")})
-            ours = [g for g in cell["geometries"] if g["warps"] == gemv.WARPS]
+            ours = [g for g in cell["geometries"] if g["warps"] == split]
             if not ours:
                 continue
             best = min(ours, key=lambda g: g["us"])

@@ -42,3 +42,26 @@ def test_every_llama_source_launch_declares_the_shared_memory_its_body_uses():
 def test_the_argmax_cuda_source_and_its_planted_controls_compile_for_sm90():
     include = os.environ["TENSORFOLD_MLX_CUDA_INCLUDE"]
     assert nvcc.main(["--include", include, "--quick", "--only", "llama greedy argmax"]) == 0
+
+
+def test_a_bf16_gemv_launch_takes_its_k_split_from_its_shape_never_from_its_rows(monkeypatch):
+    from tensorfold_core.row_kernels import gemv
+
+    monkeypatch.delenv(gemv.NARROW_ENV, raising=False)
+    records = [reg.record for reg in discover() if reg.record is not None and "gemv bf16" in reg.record.name]
+    assert records
+    for record in records:
+        source = record.implementations["cuda"]
+        for shape in (*record.shapes, *record.edges):
+            n = shape.dims["n"]
+            splits = {dict(source.launch(gates.Case(shape, rows, {}, record.row_inputs)).template)["WARPS"]
+                      for rows in (1, 2, 5, 8, 9, 16, 17, 64, 128)}
+            wanted = gemv.NARROW_WARPS if n < gemv.NARROW_COLUMNS else gemv.WARPS
+            assert splits == {wanted}, (record.name, shape.label, splits)
+
+
+@pytest.mark.skipif(not (shutil.which("nvcc") and os.environ.get("TENSORFOLD_MLX_CUDA_INCLUDE")),
+                    reason="needs nvcc and TENSORFOLD_MLX_CUDA_INCLUDE (MLX's CUDA device headers)")
+def test_every_bf16_gemv_build_fits_the_registers_an_sm90_block_may_hold():
+    # a launch asking more fails on the device ("too many resources"), as a 32-warp split did on the H200
+    assert nvcc.main(["--include", os.environ["TENSORFOLD_MLX_CUDA_INCLUDE"], "--only", "*gemv bf16*"]) == 0

@@ -23,10 +23,13 @@ WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input ste
 # and of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
 STEPS_ENV = "TENSORFOLD_GEMV_STEPS"  # U, the 32-input steps a warp loads at once (a measurement; bits never move)
-# "W" or "W:MT": the K split and column tiles a warp of calls with fewer than NARROW_COLUMNS outputs (a measurement:
-# another split orders every sum of those shapes anew, alike at any row count, so the contract must prove it again)
-NARROW_ENV = "TENSORFOLD_GEMV_NARROW"
+# The K split of calls with fewer than NARROW_COLUMNS outputs (a 1B's q|k|v, o_proj and down_proj): twice the warps,
+# each one's chain half as long, so that a call of so few column blocks keeps enough loads in flight. It orders those
+# shapes' sums anew, alike at any row count (the contract proves each record at it).
+NARROW_WARPS = 16
 NARROW_COLUMNS = 4096  # below this a call has fewer 32-column blocks than the H200 has SMs (132)
+# "W" or "W:MT": another split (and column tiles a warp) for those calls, a measurement the contract must prove again
+NARROW_ENV = "TENSORFOLD_GEMV_NARROW"
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
 
 
@@ -43,8 +46,9 @@ def tiles(rows: int) -> tuple[int, int, int]:
     steps loaded together; past 16 rows the grid repeats 16-row blocks. None of it changes a (row, column) sum."""
     # the fastest on the H200 at 1-128 rows of the 1B's and the bench's shapes (bench/bench_gemv_tiles.py, which
     # found every geometry's output bit-equal): more, smaller blocks beat deeper tiles, whose x re-reads and
-    # registers cost more than the weights they share
-    steps = int(os.environ.get(STEPS_ENV, "1"))
+    # registers cost more than the weights they share; two steps' loads at once keep more bytes in flight (a
+    # decode's weights come from HBM: Nsight Compute timed a token's GEMVs, docs/performance.md)
+    steps = int(os.environ.get(STEPS_ENV, "2"))
     return (1, 2, steps) if rows <= 8 else (2, 2, steps)
 
 
@@ -52,10 +56,9 @@ def geometry(n: int, rows: int) -> tuple[int, int, int, int]:
     """The bf16 kernel's (WARPS, MAXT, MT, U) for a call of `rows` rows and `n` outputs: the K split follows the
     shape alone, never the rows, so each (row, column) sum keeps its order in a call of any row count."""
     maxt, mt, u = tiles(rows)
-    narrow = os.environ.get(NARROW_ENV, "")
-    if not narrow or n >= NARROW_COLUMNS:
+    if n >= NARROW_COLUMNS:
         return WARPS, maxt, mt, u
-    warps, _, narrow_mt = narrow.partition(":")
+    warps, _, narrow_mt = os.environ.get(NARROW_ENV, str(NARROW_WARPS)).partition(":")
     return int(warps), maxt, int(narrow_mt or mt), u
 
 
