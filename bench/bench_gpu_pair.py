@@ -196,6 +196,23 @@ def agreeing(ours: list[int], theirs: list[int]) -> int:
     return len(theirs) if at is None else at
 
 
+def interleaved(modes: list[str], rounds: int, run) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """`run(mode)` for every mode, `rounds` times, each round starting one mode later; a mode whose run fails (a
+    launch the device refuses) is left out of every later round and named with why, and the others go on, so that
+    one call to the device still brings back their figures."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    failed: dict[str, str] = {}
+    for n in range(rounds):
+        for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
+            if mode in failed:
+                continue
+            try:
+                runs[mode].append(run(mode))
+            except BenchMismatch as exc:
+                failed[mode] = str(exc)
+    return {mode: r for mode, r in runs.items() if mode not in failed}, failed
+
+
 RATES = ("plain_tok_s", "drafted_tok_s", "served_tok_s", "drafted_round_ms", "drafter_ms")
 
 
@@ -245,13 +262,15 @@ def main() -> int:
     modes = args.modes.split(",")
     if len(set(modes)) != len(modes):
         raise SystemExit(f"--modes names a mode twice ({args.modes}): use --rounds to run each more than once")
-    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-    for n in range(args.rounds):
-        for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
-            runs[mode].append(kernel_mode_child(
-                __file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens", str(args.tokens),
-                "--prompts", str(args.prompts), "--streams", ",".join(map(str, args.streams)),
-                *(["--mlx-lm"] if args.mlx_lm else [])))
+    runs, failed = interleaved(modes, args.rounds, lambda mode: kernel_mode_child(
+        __file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens", str(args.tokens),
+        "--prompts", str(args.prompts), "--streams", ",".join(map(str, args.streams)),
+        *(["--mlx-lm"] if args.mlx_lm else [])))
+    for why in failed.values():
+        print(f"FAIL {why}; no speed quoted for it", file=sys.stderr)
+    modes = list(runs)
+    if not modes:
+        raise BenchMismatch("every mode failed")
     if args.json:  # before any check: a run that took minutes keeps its raw results even when a check fails
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(runs, indent=1))
@@ -308,7 +327,7 @@ def main() -> int:
                       f"{cell.get('plain_ahead', '-'):>15} {cell.get('served_ahead', '-'):>15}")
     if args.mlx_lm:
         compare_peer(args, results)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

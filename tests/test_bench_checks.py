@@ -213,3 +213,21 @@ def test_the_gpu_pair_bench_refuses_a_mode_named_twice():
     done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-llama", "tiny-llama-drafter", "--modes",
                            "table,table"], capture_output=True, text=True, cwd=BENCH, timeout=120)
     assert done.returncode != 0 and "use --rounds" in done.stderr
+
+
+def test_a_pair_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every_round():
+    import bench_gpu_pair
+
+    calls = []
+
+    def run(mode):
+        calls.append(mode)
+        if mode == "table:w32":
+            raise BenchMismatch("mode table:w32: the child failed: too many resources requested for launch")
+        return {"mode": mode}
+
+    runs, failed = bench_gpu_pair.interleaved(["table", "table:w32", "table:u1"], 3, run)
+    assert list(runs) == ["table", "table:u1"] and all(len(r) == 3 for r in runs.values())
+    assert list(failed) == ["table:w32"] and "too many resources" in failed["table:w32"]
+    assert calls.count("table:w32") == 1  # never retried
+    assert calls[:3] == ["table", "table:w32", "table:u1"] and calls[3:5] == ["table:u1", "table"]  # rounds rotate
