@@ -1,7 +1,8 @@
 """The bf16 GEMV record's tile geometry swept on CUDA: every (MAXT, MT, U) timed per row count and shape, each
 output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
 
-# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,16] [--cold] [--rows 1,4,8] [--shapes 2048x2048]
+# python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,16] [--cold] [--rows 1,4,8]
+#     [--shapes 2048x2048]
 # The served tiles (gemv.geometry) against every other geometry of the same K split: an output that differs
 # in one bit from the served geometry's is a failure, and that geometry is not timed. Other splits change the sums
 # (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
@@ -61,8 +62,8 @@ def kernel_call(n: int, k: int, x: mx.array, ws: list[mx.array], warps: int, geo
     blocks = groups(n, 16 * mt) * groups(rows, 8 * maxt)
 
     def call():
-        return kernel(inputs=[x, next(turn), dims], template=[("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u),
-                                                     ("T", mx.bfloat16)],
+        return kernel(inputs=[x, next(turn), dims],
+                      template=[("WARPS", warps), ("MAXT", maxt), ("MT", mt), ("U", u), ("T", mx.bfloat16)],
                       grid=(blocks * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
                       output_shapes=[(rows, n)], output_dtypes=[mx.bfloat16])[0]
 
@@ -88,8 +89,8 @@ def sweep(args) -> tuple[list[dict], list[str]]:
             x = x_all[:rows]
             mx.eval(x)
             t_mlx = timed(lambda: x @ next(mlx_turn).T, REPS, LAUNCHES)
-            cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1), "served": list(gemv.geometry(n, rows)[1:]),
-                    "geometries": []}
+            cell = {"n": n, "k": k, "rows": rows, "mlx_us": round(t_mlx * 1e6, 1),
+                    "served": list(gemv.geometry(n, rows)[1:]), "geometries": []}
             for warps in warps_list:
                 own = gemv.geometry(n, rows)[1:] if warps == split else geometries(warps, split)[0]
                 try:

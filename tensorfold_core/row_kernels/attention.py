@@ -104,13 +104,13 @@ def _window_of(a, start: int, stop: int, split: int):
     return mx.concatenate([pads[0], part, pads[1]], axis=1) if before or after else part
 
 
-@functools.lru_cache(maxsize=1024)
 def chunks() -> tuple[tuple[str, int], ...]:
     """The CUDA body's KC and VC: loads in flight, not sums, so any choice gives the same bits."""
     kc, vc = (int(v) for v in os.environ.get(CHUNKS_ENV, "8,16").split(","))
     return ("KC", kc), ("VC", vc)
 
 
+@functools.lru_cache(maxsize=1024)
 def _geometry(rows: int, heads: int, dim: int, groups: int = GROUPS, out=None) -> Launch:
     """One block of `groups` x SPLIT threads per (row, head): grid in threads, x the head, y the row. The groups only
     run splits side by side (they are folded in split order whatever their number), so they never move a bit. `out`:
