@@ -18,10 +18,13 @@
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
 #   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
 #             (tools/device/load_time.py)
+#   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
+#             once per KERNEL_KNOBS entry (space-separated; "-" for none, e.g. "- TENSORFOLD_GEMV_NARROW=8
+#             TENSORFOLD_GEMV_STEPS=1"); the first also builds every kernel, so give CAP_KERNELS room for it
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
-# CAP_LOAD=150, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
+# CAP_LOAD=150, CAP_KERNELS=240, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
 # Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
 # (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
 # the contract's inputs.
@@ -66,6 +69,13 @@ for what in "${@:-bench pair exact contract affine}"; do
           && python3 tools/device/load_time.py /tmp/b1" \
           step load "${CAP_LOAD:-150}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/load.txt" ;;
+      kernels)
+        OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
+          && for knob in ${KERNEL_KNOBS:--}; do echo \"== knob \$knob\"; \
+          env \$([ \"\$knob\" = - ] || echo \$knob) TENSORFOLD_KERNELS=table python3 tools/device/kernel_times.py \
+          /tmp/b1 --warm --steps 4 --top 8 2>&1 | grep -v '^kernels\|^probe'; done" \
+          step kernels "${CAP_KERNELS:-240}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/kernels.txt" ;;
       launch|tiles)
         tiles="bench/bench_gemv_tiles.py --seconds 150 ${TILES_ARGS:-}"
         script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "$tiles")
@@ -84,14 +94,14 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, token, normed, exact, load, contract, affine, launch, tiles)" >&2
+      *) echo "unknown step $name (bench, pair, token, normed, exact, load, kernels, contract, affine, launch, tiles)" >&2
          exit 2 ;;
     esac
   done
 done
 mkdir -p "$out"
 tar czf "$out/receipt.tgz" -C "$receipt" .
-for f in steps.txt gemv.txt pair.txt normed.txt contract.txt affine.txt launch.txt tiles.txt; do
+for f in steps.txt gemv.txt pair.txt normed.txt kernels.txt contract.txt affine.txt launch.txt tiles.txt; do
   [ -f "$receipt/$f" ] && cp "$receipt/$f" "$out/"
 done
 cat "$receipt/steps.txt"
