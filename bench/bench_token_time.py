@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, kernel_mode_child
+from common import CODE_PROMPTS, BenchMismatch, check_same_ids, exit_code, interleaved, kernel_mode_child
 
 
 def context_ids(tokenizer, length: int) -> list[int]:
@@ -161,8 +161,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    results = [kernel_mode_child(__file__, mode, args.target, "--tokens", str(args.tokens), "--contexts",
-                                 args.contexts, "--streams", args.streams) for mode in args.modes.split(",")]
+    runs, failed = interleaved(args.modes.split(","), 1, lambda mode: kernel_mode_child(
+        __file__, mode, args.target, "--tokens", str(args.tokens), "--contexts", args.contexts, "--streams",
+        args.streams))
+    results = [r[0] for r in runs.values()]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -198,7 +200,7 @@ def main() -> int:
             same = "as alone" if c["same_as_alone"] else "differ (probe fails: no shared rounds served)"
             print(f"{r['mode']:<22} {c['streams']:>7} {c['tok_s']:>15.1f} "
                   f"{c['tok_s'] / one if one else 0:>10.2f}x  {same}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -283,6 +283,26 @@ def fail_if_any(failures: list[BenchMismatch]) -> None:
         raise BenchMismatch(f"{failures[0]}{more}")
 
 
+def interleaved(modes: list[str], rounds: int, run) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """`run(mode)` for every mode, `rounds` times, each round starting one mode later; a mode whose run fails (a
+    launch the device refuses) is left out of every later round and named with why (a FAIL line), and the others go
+    on, so that one call to the device still brings back their figures. None running is a failure of its own."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    failed: dict[str, str] = {}
+    for n in range(rounds):
+        for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
+            if mode in failed:
+                continue
+            try:
+                runs[mode].append(run(mode))
+            except BenchMismatch as exc:
+                failed[mode] = str(exc)
+                print(f"FAIL {exc}; no speed quoted for it", file=sys.stderr)
+    if len(failed) == len(modes):
+        raise BenchMismatch("no mode ran")
+    return {mode: r for mode, r in runs.items() if mode not in failed}, failed
+
+
 def exit_code(main: Callable[[], int]) -> int:
     """A benchmark's exit code: a BenchMismatch becomes one FAIL line on stderr and 1."""
     try:

@@ -215,8 +215,8 @@ def test_the_gpu_pair_bench_refuses_a_mode_named_twice():
     assert done.returncode != 0 and "use --rounds" in done.stderr
 
 
-def test_a_pair_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every_round():
-    import bench_gpu_pair
+def test_a_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every_round():
+    from common import interleaved
 
     calls = []
 
@@ -226,8 +226,18 @@ def test_a_pair_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_
             raise BenchMismatch("mode table:w32: the child failed: too many resources requested for launch")
         return {"mode": mode}
 
-    runs, failed = bench_gpu_pair.interleaved(["table", "table:w32", "table:u1"], 3, run)
+    runs, failed = interleaved(["table", "table:w32", "table:u1"], 3, run)
     assert list(runs) == ["table", "table:u1"] and all(len(r) == 3 for r in runs.values())
     assert list(failed) == ["table:w32"] and "too many resources" in failed["table:w32"]
     assert calls.count("table:w32") == 1  # never retried
     assert calls[:3] == ["table", "table:w32", "table:u1"] and calls[3:5] == ["table:u1", "table"]  # rounds rotate
+
+
+def test_no_mode_running_fails_the_benchmark():
+    from common import interleaved
+
+    def run(mode):
+        raise BenchMismatch(f"mode {mode}: the child failed")
+
+    with pytest.raises(BenchMismatch, match="no mode ran"):
+        interleaved(["table", "builtin"], 2, run)
