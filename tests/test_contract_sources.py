@@ -65,3 +65,16 @@ def test_a_bf16_gemv_launch_takes_its_k_split_from_its_shape_never_from_its_rows
 def test_every_bf16_gemv_build_fits_the_registers_an_sm90_block_may_hold():
     # a launch asking more fails on the device ("too many resources"), as a 32-warp split did on the H200
     assert nvcc.main(["--include", os.environ["TENSORFOLD_MLX_CUDA_INCLUDE"], "--only", "*gemv bf16*"]) == 0
+
+
+def test_the_normed_gemv_sums_its_norm_over_the_rmsnorm_record_s_threads_whatever_its_k_split():
+    # so the fold equals the rmsnorm record then the GEMV bit for bit (bench_normed_gemv checks it on CUDA)
+    from tensorfold_core.row_kernels import gemv, gemv_normed, rmsnorm
+
+    record = _llama("llama gemv bf16 rmsnorm").record
+    shape = next(s for s in record.shapes if s.dims["n"] < gemv.NARROW_COLUMNS)
+    for kind, norm in (("cuda", gemv_normed._CUDA_INV), ("metal", gemv_normed._METAL_INV)):
+        source = record.implementations[kind]
+        assert dict(source.launch(gates.Case(shape, 4, {}, record.row_inputs)).template)["WARPS"] == 16
+        assert norm in source.body and "NW" in norm and "WARPS" not in norm, kind
+        assert f"constexpr int NW = {rmsnorm.THREADS // 32};" in source.body

@@ -20,6 +20,7 @@ from tensorfold_contract.helpers import BF16_ULP, bf16, int_array, row_scales
 
 from .gemv import NOT_INVARIANT_ON_CUDA, OUT, WARPS_REVERSED_WHEN_MANY, WIDEST_CALL, _launch_bf16, template_value
 from .gemv import tolerance as gemv_tolerance
+from .rmsnorm import THREADS as NORM_THREADS
 from .gemv_fused import (CUDA_SWIGLU_HEADER, METAL_SWIGLU_PAIR_HEADER, _launch_swiglu, _text, edges, mlx_for, once,
                          swiglu_host, tolerance_swiglu)
 from .gemv_sources import CUDA_BF16, CUDA_BF16_HEADER, METAL_BF16
@@ -42,6 +43,7 @@ __device__ __forceinline__ uint4 tf_norm8(const __nv_bfloat16* x, const __nv_bfl
 }
 """
 
+_NORM_WARPS = f"constexpr int NW = {NORM_THREADS // 32};  // the rmsnorm record's warps, whatever the K split"
 _CUDA_EPS = "const int K = dims[2];\nconst float tf_eps = __int_as_float(dims[3]);"  # eps's float32 bits
 _CUDA_CB = "constexpr int CB = 16 * MT;  // columns a block"
 _CUDA_LOOP = "for (int s0 = warp; s0 < steps; s0 += WARPS * U) {"
@@ -49,22 +51,22 @@ _CUDA_LOOP = "for (int s0 = warp; s0 < steps; s0 += WARPS * U) {"
 # barriers of the norms worked out inside it, while that step's weights are on their way
 _CUDA_FIRST = "for (int s0 = warp, tf_first = 1; tf_first || s0 < steps; s0 += WARPS * U) {"
 _CUDA_SUMS = "#pragma unroll\n  for (int u = 0; u < U; ++u) {\n    if (s0 + u * WARPS < steps) {"
-# the block's rows' inverse norms, in the rmsnorm record's order: thread i sums squares i, i + 256, ... of a row (8
-# loads at a time; a square of a zero past K adds nothing); a warp folds them by a fixed xor tree; the warps' sums
-# are added in warp order
+# the block's rows' inverse norms, in the rmsnorm record's order: thread i of its first NW warps (the record's group,
+# whatever the GEMV's K split) sums squares i, i + 256, ... of a row (8 loads at a time; a square of a zero past K
+# adds nothing); a warp folds them by a fixed xor tree; the NW warps' sums are added in warp order
 _CUDA_INV = """  if (tf_first) {
     tf_first = 0;
-    for (int j = 0; j < RB && row0 + j < rows; ++j) {
+    for (int j = 0; warp < NW && j < RB && row0 + j < rows; ++j) {
       const __nv_bfloat16* xr = x + (size_t)(row0 + j) * K;
       float ss = 0.0f;
-      for (int i0 = threadIdx.x; i0 < K; i0 += 8 * WARPS * 32) {
+      for (int i0 = threadIdx.x; i0 < K; i0 += 8 * NW * 32) {
         float v[8];
-        if (i0 + 7 * WARPS * 32 < K) {  // unpredicated, so that the 8 loads go out together
+        if (i0 + 7 * NW * 32 < K) {  // unpredicated, so that the 8 loads go out together
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(xr[i0 + e * WARPS * 32]);
+          for (int e = 0; e < 8; ++e) v[e] = __bfloat162float(xr[i0 + e * NW * 32]);
         } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = i0 + e * WARPS * 32 < K ? __bfloat162float(xr[i0 + e * WARPS * 32]) : 0.0f;
+          for (int e = 0; e < 8; ++e) v[e] = i0 + e * NW * 32 < K ? __bfloat162float(xr[i0 + e * NW * 32]) : 0.0f;
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
@@ -75,7 +77,7 @@ _CUDA_INV = """  if (tf_first) {
     __syncthreads();
     if ((int)threadIdx.x < RB && row0 + (int)threadIdx.x < rows) {
       float total = 0.0f;
-      for (int p = 0; p < WARPS; ++p) total += tf_ss[threadIdx.x][p];
+      for (int p = 0; p < NW; ++p) total += tf_ss[threadIdx.x][p];
       tf_inv[threadIdx.x] = rsqrtf(total / (float)K + tf_eps);
     }
     __syncthreads();
@@ -85,12 +87,12 @@ _CUDA_NORMED = "tf_norm8(x, nw, tf_inv[r - row0], r, k, K, vec)"
 _CUDA_INV_TOTAL = "tf_inv[threadIdx.x] = rsqrtf(total / (float)K + tf_eps);"
 
 _METAL_PART = "threadgroup float part[WARPS][RB][16];"
-_METAL_SHARED = "\nthreadgroup float tf_ss[RB][WARPS];\nthreadgroup float tf_inv[RB];"
+_METAL_SHARED = "\n" + _NORM_WARPS + "\nthreadgroup float tf_ss[RB][NW];\nthreadgroup float tf_inv[RB];"
 _METAL_STEPS = "const int steps = (K + 31) / 32;"
 _METAL_INV = _METAL_STEPS + """
-for (int j = 0; j < RB && row0 + j < rows; ++j) {
+for (int j = 0; warp < NW && j < RB && row0 + j < rows; ++j) {
   float ss = 0.0f;
-  for (int i = (int)thread_position_in_threadgroup.x; i < K; i += WARPS * 32) {
+  for (int i = (int)thread_position_in_threadgroup.x; i < K; i += NW * 32) {
     const float v = static_cast<float>(x[(size_t)(row0 + j) * K + i]);
     ss = metal::fma(v, v, ss);
   }
@@ -100,7 +102,7 @@ for (int j = 0; j < RB && row0 + j < rows; ++j) {
 threadgroup_barrier(mem_flags::mem_threadgroup);
 if ((int)thread_position_in_threadgroup.x < RB && row0 + (int)thread_position_in_threadgroup.x < rows) {
   float total = 0.0f;
-  for (int p = 0; p < WARPS; ++p) total += tf_ss[thread_position_in_threadgroup.x][p];
+  for (int p = 0; p < NW; ++p) total += tf_ss[thread_position_in_threadgroup.x][p];
   tf_inv[thread_position_in_threadgroup.x] = metal::rsqrt(total / (float)K + as_type<float>(dims[3]));
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);"""
@@ -115,7 +117,8 @@ def _normed_text(kind: str, fusion: str) -> str:
         body = _text(body, "swiglu", kind)
     if kind == "cuda":
         body = once(body, "const int K = dims[2];", _CUDA_EPS)
-        body = once(body, _CUDA_CB, _CUDA_CB + "\n__shared__ float tf_ss[RB][WARPS];\n__shared__ float tf_inv[RB];")
+        body = once(body, _CUDA_CB, _CUDA_CB + "\n" + _NORM_WARPS + "\n__shared__ float tf_ss[RB][NW];\n"
+                    "__shared__ float tf_inv[RB];")
         body = once(body, _CUDA_LOOP, _CUDA_FIRST)
         body = once(body, _CUDA_SUMS, _CUDA_INV + _CUDA_SUMS)
         return once(body, "tf_load8(x, r, k, K, vec)", _CUDA_NORMED)
@@ -137,8 +140,8 @@ def _inputs(case):
 def _launch_for(fusion: str):
     def launch(case):
         base = _launch_swiglu(case) if fusion == "norm swiglu" else _launch_bf16(case)
-        rb, warps = 8 * template_value(base, "MAXT"), template_value(base, "WARPS")
-        return dataclasses.replace(base, static_shared=base.static_shared + 4 * rb * (warps + 1))  # tf_ss, tf_inv
+        rb = 8 * template_value(base, "MAXT")  # tf_ss and tf_inv
+        return dataclasses.replace(base, static_shared=base.static_shared + 4 * rb * (NORM_THREADS // 32 + 1))
 
     return launch
 
