@@ -207,6 +207,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"},
             "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}, "per-stream": {"TENSORFOLD_STREAM_ATTENTION": "0"},
             "unfused-residual": {"TENSORFOLD_FUSED_RESIDUAL": "0"}, "rope-apart": {"TENSORFOLD_ROPE_QKV": "0"},
+            "rope-own-launch": {"TENSORFOLD_ROPE_IN": "0"},
             "swiglu-down": {"TENSORFOLD_SWIGLU_IN": "down"}, "stack-builtin": {"TENSORFOLD_STACK_KV": "0"},
             "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}, "all-inputs": {"TENSORFOLD_NARROW_INPUTS": "0"},
             "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
@@ -221,20 +222,21 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     """`script --child ARGS --mode MODE` in a process of its own under the mode's kernel table (TENSORFOLD_KERNELS,
     read at load; a mode `TABLE-OP+OP` leaves those ops to MLX; one ending `:op-by-op` compiles no layer part,
-    TENSORFOLD_COMPILE=0, `:rope-windows` ropes each stream's window apart, TENSORFOLD_ROPE_ROWS=0 (`:rope-rows`, =1,
-    is the default), `:in-step` runs no round ahead, TENSORFOLD_LOOKAHEAD=0, and `:drafter-builtin` runs a llama
+    TENSORFOLD_COMPILE=0, `:rope-windows` ropes each stream's window apart, TENSORFOLD_ROPE_ROWS=0 (`:rope-rows`,
+    =1, is the default), `:in-step` runs no round ahead, TENSORFOLD_LOOKAHEAD=0, and `:drafter-builtin` runs a llama
     drafter on MLX's ops instead of the target's table, TENSORFOLD_DRAFTER_BUILTIN=1, `:per-stream` launches a
     layer's attention a stream at a time, TENSORFOLD_STREAM_ATTENTION=0, `:unfused-residual` adds the residual and
-    computes swiglu apart from o_proj's and down_proj's launches, TENSORFOLD_FUSED_RESIDUAL=0, `:rope-apart` slices and
-    ropes q, k and v op by op, TENSORFOLD_ROPE_QKV=0, `:swiglu-down` has down_proj compute swiglu as it reads
-    gate|up's output instead of gate|up storing it, TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks the layers'
-    new keys and values with MLX's ops, TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text with its comments,
-    TENSORFOLD_KERNEL_COMMENTS=1, `:all-inputs` launches the streams attention with all 8 cache slots and stack kv
-    with all 32 layers' inputs, TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a DSpark drafter's drafts on the device for
-    the verify, TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to the host first, =0,
-    `:norms-apart` launches a layer's norms apart from the q|k|v and gate|up launches that read them,
-    TENSORFOLD_NORM_IN=0, `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small pool,
-    TENSORFOLD_PAD_INPUTS=0, `:parts-compiled` calls each layer's compiled parts and its attention from Python
+    computes swiglu apart from o_proj's and down_proj's launches, TENSORFOLD_FUSED_RESIDUAL=0, `:rope-apart` slices
+    and ropes q, k and v op by op, TENSORFOLD_ROPE_QKV=0, `:rope-own-launch` ropes in a launch of its own after the
+    normed q|k|v launch instead of in its store, TENSORFOLD_ROPE_IN=0, `:swiglu-down` has down_proj compute swiglu
+    as it reads gate|up's output instead of gate|up storing it, TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks
+    the layers' new keys and values with MLX's ops, TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text
+    with its comments, TENSORFOLD_KERNEL_COMMENTS=1, `:all-inputs` launches the streams attention with all 8 cache
+    slots and stack kv with all 32 layers' inputs, TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a DSpark drafter's
+    drafts on the device for the verify, TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to
+    the host first, =0, `:norms-apart` launches a layer's norms apart from the q|k|v and gate|up launches that read
+    them, TENSORFOLD_NORM_IN=0, `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small
+    pool, TENSORFOLD_PAD_INPUTS=0, `:parts-compiled` calls each layer's compiled parts and its attention from Python
     instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy
     round's logits rows and draws on the host instead of reading the device's greedy ids,
     TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit MLX's CUDA graphs every 100 or 250 kernels instead

@@ -277,12 +277,15 @@ class TransformerBlock(nn.Module):
         # the input norm read by the q|k|v launch (roped only), the post-attention norm by gate|up's swiglu-storing
         # launch: one launch each where there were two (serving.py)
         object.__setattr__(self, "normed_qkv", None)
+        object.__setattr__(self, "normed_roped_qkv", None)  # and rope stored by that launch too (serving.py)
         object.__setattr__(self, "normed_swiglu", None)
 
     def before(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x))
 
     def before_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if self.normed_roped_qkv is not None:
+            return self.normed_roped_qkv(x, positions)
         if self.normed_qkv is not None:
             return self.self_attn.rope_qkv(self.normed_qkv(x), positions)
         return self.self_attn.project_roped(self.input_layernorm(x), positions)

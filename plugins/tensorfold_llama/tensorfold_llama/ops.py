@@ -22,6 +22,10 @@ OPS = {
     "projection bf16 rmsnorm": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm", "metal": "llama gemv bf16 rmsnorm"},
     "projection bf16 rmsnorm swiglu": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm gate|up swiglu",
                                        "metal": "llama gemv bf16 rmsnorm gate|up swiglu"},
+    # the input norm, q|k|v and rope in one launch (neox pairs): each block holds both elements of 16 pairs, so the
+    # roped heads are stored from the GEMV's rounded sums, the bits of the two launches (where the layers are compiled)
+    "projection bf16 rmsnorm rope neox": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm rope qkv neox",
+                                          "metal": "llama gemv bf16 rmsnorm rope qkv neox"},
     "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": "llama gemv q4"},
     "projection q8": {"cpu": BUILTIN, "cuda": "llama gemv q8", "metal": "llama gemv q8"},
     # MLX's fast rms_norm is row-invariant on CUDA (the record's mlx implementation passes gate 4 there, and the load

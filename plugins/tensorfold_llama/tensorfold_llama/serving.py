@@ -23,6 +23,9 @@ ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
 # where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
 # (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
 STACK_KV_ENV = "TENSORFOLD_STACK_KV"
+# where the norm folds into q|k|v and rope qkv serves, rope is stored by that launch too (neox pairs; the default where
+# it serves); "0" ropes in a launch of its own after it, to measure (docs/gpu.md)
+ROPE_IN_ENV = "TENSORFOLD_ROPE_IN"
 # where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
 # default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
 WHOLE_ENV = "TENSORFOLD_WHOLE_FORWARD"
@@ -55,6 +58,37 @@ def roped_qkv(attn, usable: dict, kind: str, dtype) -> RopedQKV | None:
     if os.environ.get(ROPE_QKV_ENV, "1") == "0" or attn.rope.dims != attn.head_dim:
         return None
     return RopedQKV(attn, usable[op], kind, dtype)
+
+
+class NormedRopedQKV:
+    """q, k and v in their heads, q and k roped, straight from a layer's input rows: the input norm, the q|k|v GEMV and
+    rope in one launch of the normed rope record, over the stacked q|k|v weights and the layer's rope frequencies."""
+
+    def __init__(self, attn, norm, record, kind: str):
+        from tensorfold_contract.serving import Prepared
+        from tensorfold_core.row_kernels.gemv import OUT
+
+        stacked, freqs = attn.qkv, attn.rope.divisors()
+        dims = {"n": stacked.bounds[-1], "k": stacked.dims["k"], "eps": norm.eps, "out": OUT, "heads": attn.n_heads,
+                "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim, "dtype": OUT}
+        self.launch = Prepared(kind, record.implementations[kind], dims,
+                               lambda: {"w": stacked.arrays["w"], "nw": norm.weight, "freqs": freqs}, "x")
+
+    def __call__(self, x, positions):
+        out = self.launch(x, positions=positions)
+        return out["yq"], out["yk"], out["yv"]
+
+
+def normed_roped_qkv(layer, usable: dict, kind: str) -> NormedRopedQKV | None:
+    """The one launch of a layer's norm, q|k|v and rope where its norm already folds into q|k|v, its rope has neox
+    pairs and the table serves it; None elsewhere, or where TENSORFOLD_ROPE_IN=0 asks rope its own launch."""
+    op, attn = "projection bf16 rmsnorm rope neox", layer.self_attn
+    if layer.normed_qkv is None or attn.rope_qkv is None or attn.rope.traditional or op not in usable:
+        return None
+    if os.environ.get(ROPE_IN_ENV, "1") == "0":
+        return None
+    norm = layer.input_layernorm
+    return NormedRopedQKV(attn, getattr(norm, "inner", norm), usable[op], kind)
 
 
 def serve_kernels(model, compiled: bool = True) -> dict:
@@ -126,6 +160,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             if attn.rope_qkv is not None:
                 object.__setattr__(layer, "normed_qkv", normed_fused(attn.qkv, layer.input_layernorm, usable, kind,
                                                                      swiglu=False))
+                object.__setattr__(layer, "normed_roped_qkv", normed_roped_qkv(layer, usable, kind))
             if mlp.swiglu is not None:
                 object.__setattr__(layer, "normed_swiglu", normed_fused(
                     mlp.gate_up, layer.post_attention_layernorm, usable, kind, swiglu=True))
