@@ -66,9 +66,21 @@ _ROPE_STORE = """if (m == 0) {
           }
         }
       }"""
-# the rope qkv record's angle on each backend (CUDA in double; Metal has none)
-_ANGLE = {"cuda": "const double theta = (double)positions[row] / (double)freqs[i];\n"
-                  "          const float c = (float)cos(theta);\n          const float s = (float)sin(theta);",
+# the rope qkv record's angle on each backend (CUDA in double; Metal has none). On CUDA each (row, pair) of the block
+# takes its cosine and sine while the first step's weights are on their way, in warps the norms leave idle (from the
+# last warp down): taken at the store, a half-warp's double-precision trig sat after every sum (Nsight Compute)
+_CUDA_TRIG = """    for (int e = WARPS * 32 - 1 - (int)threadIdx.x; e < RB * 16; e += WARPS * 32) {
+      const int row = row0 + e / 16;
+      const int i = min(col0 + e % 16, N / 2 - 1) % half;
+      if (row < rows) {
+        const double theta = (double)positions[row] / (double)freqs[i];
+        tf_cos[e] = (float)cos(theta);
+        tf_sin[e] = (float)sin(theta);
+      }
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < RB && row0 + (int)threadIdx.x < rows) {"""
+_ANGLE = {"cuda": "const float c = tf_cos[o];\n          const float s = tf_sin[o];",
           "metal": "const float theta = (float)positions[row] / freqs[i];\n"
                    "          const float c = metal::precise::cos(theta);\n"
                    "          const float s = metal::precise::sin(theta);"}
@@ -84,7 +96,10 @@ _EDITS = {
              ("tf_load8(w, min(col0 + 16 * m + g + 8, N - 1), k, K, vec)",
               "tf_load8(w, tf_pair_col(min(col0 + g + 8, N / 2 - 1), m, half), k, K, vec)"),
              ("__shared__ float part[WARPS][RB][16];",
-              "__shared__ float part[WARPS][RB][16];\n__shared__ T tf_lo[RB * 16];")),
+              "__shared__ float part[WARPS][RB][16];\n__shared__ T tf_lo[RB * 16];"),
+             ("__shared__ float tf_inv[RB];",
+              "__shared__ float tf_inv[RB];\n__shared__ float tf_cos[RB * 16];\n__shared__ float tf_sin[RB * 16];"),
+             ("    __syncthreads();\n    if ((int)threadIdx.x < RB && row0 + (int)threadIdx.x < rows) {", _CUDA_TRIG)),
     "metal": (("const int K = dims[2];", "const int K = dims[2];" + _HEADS),
               ("const int col0 = (int)(threadgroup_position_in_grid.x / row_blocks) * CB;",
                "const int col0 = (int)(threadgroup_position_in_grid.x / row_blocks) * 16;"),
@@ -130,7 +145,8 @@ def _launch(case):
     return dataclasses.replace(
         base, grid=(blocks * warps * 32 if case.rows else 0, 1, 1), template=template,
         output_shapes=((case.rows, h, d), (case.rows, kv, d), (case.rows, kv, d)), output_dtypes=base.output_dtypes * 3,
-        static_shared=base.static_shared + 2 * 8 * maxt * 16)  # and tf_lo, the first elements' rounded sums
+        # and tf_lo, the first elements' rounded sums (and on CUDA each pair's cosine and sine)
+        static_shared=base.static_shared + (2 + 8) * 8 * maxt * 16)
 
 
 def source(kind: str) -> Source:
