@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -85,11 +86,15 @@ class RoPE(nn.Module):
         return mx.array((freqs / self.scale).astype(np.float32))
 
 
-def row_positions(spans: Sequence[Span]) -> mx.array:
+PAD_POSITIONS_ENV = "TENSORFOLD_PAD_POSITIONS"  # "1": a forward's positions in 16 bytes at least (a measurement)
+
+
+def row_positions(spans: Sequence[Span], at_least: int = 0) -> mx.array:
     """Each packed row's absolute position in its stream, once a forward for every layer's rope. A plain host array,
     not a padded constant (kernel_array): made fresh each step, a padded one cost the rope more on the H200
-    (docs/gpu.md)."""
-    return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
+    (docs/gpu.md). `at_least` entries (zeros past the rows) where only kernels read it, to measure that again."""
+    rows = [p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)]
+    return mx.array(rows + [0] * (at_least - len(rows)), mx.int32)
 
 
 StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
@@ -384,7 +389,9 @@ class Model(nn.Module):
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
-        positions = row_positions(spans) if self.model.layers[0].self_attn.roped else None
+        first = self.model.layers[0]
+        padded = getattr(first.normed_roped_qkv, "kernel", False) and os.environ.get(PAD_POSITIONS_ENV) == "1"
+        positions = row_positions(spans, 4 if padded else 0) if first.self_attn.roped else None
         if self.stacked:
             h = self.forward_streams(h, spans, positions)
         else:

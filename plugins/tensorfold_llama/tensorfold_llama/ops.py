@@ -23,7 +23,8 @@ OPS = {
     "projection bf16 rmsnorm swiglu": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm gate|up swiglu",
                                        "metal": "llama gemv bf16 rmsnorm gate|up swiglu"},
     # the input norm, q|k|v and rope in one launch (neox pairs): each block holds both elements of 16 pairs, so the
-    # roped heads are stored from the GEMV's rounded sums, the bits of the two launches (where the layers are compiled)
+    # roped heads are stored from the GEMV's rounded sums, the bits of the two launches (where the layers are compiled
+    # and TENSORFOLD_ROPE_IN=1 asks it: slower on the H200 than the two launches so far)
     "projection bf16 rmsnorm rope neox": {"cpu": BUILTIN, "cuda": "llama gemv bf16 rmsnorm rope qkv neox",
                                           "metal": "llama gemv bf16 rmsnorm rope qkv neox"},
     "projection q4": {"cpu": BUILTIN, "cuda": "llama gemv q4", "metal": "llama gemv q4"},

@@ -23,8 +23,8 @@ ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
 # where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
 # (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
 STACK_KV_ENV = "TENSORFOLD_STACK_KV"
-# where the norm folds into q|k|v and rope qkv serves, rope is stored by that launch too (neox pairs; the default where
-# it serves); "0" ropes in a launch of its own after it, to measure (docs/gpu.md)
+# "1": where the norm folds into q|k|v and rope qkv serves, rope is stored by that launch too (neox pairs), a launch
+# fewer a layer; not the default: on the H200 that launch took 21 us against 9.7 + 4.9 apart (docs/performance.md)
 ROPE_IN_ENV = "TENSORFOLD_ROPE_IN"
 # where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
 # default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
@@ -65,9 +65,11 @@ class NormedRopedQKV:
     rope in one launch of the normed rope record, over the stacked q|k|v weights and the layer's rope frequencies."""
 
     def __init__(self, attn, norm, record, kind: str):
+        from tensorfold_contract import Source
         from tensorfold_contract.serving import Prepared
         from tensorfold_core.row_kernels.gemv import OUT
 
+        self.kernel = isinstance(record.implementations[kind], Source)  # reads positions past the rows never
         stacked, freqs = attn.qkv, attn.rope.divisors()
         dims = {"n": stacked.bounds[-1], "k": stacked.dims["k"], "eps": norm.eps, "out": OUT, "heads": attn.n_heads,
                 "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim, "dtype": OUT}
@@ -80,12 +82,12 @@ class NormedRopedQKV:
 
 
 def normed_roped_qkv(layer, usable: dict, kind: str) -> NormedRopedQKV | None:
-    """The one launch of a layer's norm, q|k|v and rope where its norm already folds into q|k|v, its rope has neox
-    pairs and the table serves it; None elsewhere, or where TENSORFOLD_ROPE_IN=0 asks rope its own launch."""
+    """The one launch of a layer's norm, q|k|v and rope where TENSORFOLD_ROPE_IN=1 asks it, its norm already folds
+    into q|k|v, its rope has neox pairs and the table serves it; None elsewhere (rope its own launch)."""
     op, attn = "projection bf16 rmsnorm rope neox", layer.self_attn
     if layer.normed_qkv is None or attn.rope_qkv is None or attn.rope.traditional or op not in usable:
         return None
-    if os.environ.get(ROPE_IN_ENV, "1") == "0":
+    if os.environ.get(ROPE_IN_ENV, "0") != "1":
         return None
     norm = layer.input_layernorm
     return NormedRopedQKV(attn, getattr(norm, "inner", norm), usable[op], kind)

@@ -225,11 +225,12 @@ def test_compiled_layers_read_their_norms_in_the_q_k_v_and_gate_up_launches_bit_
     assert apart.model.layers[1].normed_qkv is None and apart.model.layers[1].normed_swiglu is None
 
 
-def test_compiled_layers_store_roped_heads_from_the_normed_q_k_v_launch_bit_for_bit_and_apart_when_asked(
+def test_asked_compiled_layers_store_roped_heads_from_the_normed_q_k_v_launch_bit_for_bit_and_apart_by_default(
         through_records, monkeypatch):
     from tensorfold_llama.serving import ROPE_IN_ENV, NormedRopedQKV
 
     monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(ROPE_IN_ENV, "1")
     model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     layer = model.model.layers[1]
     assert isinstance(layer.normed_roped_qkv, NormedRopedQKV)
@@ -241,13 +242,16 @@ def test_compiled_layers_store_roped_heads_from_the_normed_q_k_v_launch_bit_for_
     assert [a.shape for a in ours] == [b.shape for b in theirs]
     assert all(mx.array_equal(a, b).item() for a, b in zip(ours, theirs))
     assert not mx.array_equal(ours[0], layer.normed_roped_qkv(x, positions + 1)[0]).item()  # each row's position
-    monkeypatch.setenv(ROPE_IN_ENV, "0")
+    monkeypatch.delenv(ROPE_IN_ENV)
     apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     assert apart.model.layers[1].normed_roped_qkv is None and apart.model.layers[1].normed_qkv is not None
 
 
 def test_a_4_bit_model_keeps_its_norms_apart_since_only_bf16_weights_read_normed_rows(through_records, monkeypatch):
+    from tensorfold_llama.serving import ROPE_IN_ENV
+
     monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(ROPE_IN_ENV, "1")  # even asked, rope has no normed launch to be stored by
     model, _, _ = load_model("tiny-llama-drafter-4bit", LoadOptions(dtype="bfloat16"))
     layer = model.model.layers[0]
     assert layer.self_attn.qkv is not None and layer.self_attn.rope_qkv is not None  # one launch each, q4
