@@ -13,17 +13,12 @@ device time, bits checked first."""
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import glob
-import io
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 
 import mlx.core as mx
+from ncu import kernel_medians
 
 from tensorfold_contract.serving import Prepared
 from tensorfold_core.row_kernels import gemv, gemv_normed, rmsnorm
@@ -79,24 +74,13 @@ def run_shape(n: int, rows: int, ablations: bool, check: bool) -> None:
 
 def profile(shape: int, labels: list[str]) -> dict[str, float]:
     """Median device us per kernel label, from a child of this script under ncu."""
-    ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
-    if ncu is None:
-        raise SystemExit("bench_normed_gemv: Nsight Compute's ncu is not on this machine")
-    command = [ncu, "--clock-control", "none", "--cache-control", "none", "--csv", "--metrics",
-               "gpu__time_duration.sum", sys.executable, __file__, *sys.argv[1:]]
-    out = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, **{SHAPE_ENV: str(shape)}))
-    if '"ID"' not in out.stdout:
-        raise SystemExit(f"ncu gave no table: {out.stderr[-2000:]}")
-    times: dict[str, list[float]] = {}
     ours = {f"gemv16_bench_{label.replace('-', '_')}_": label for label in labels}
-    for row in csv.DictReader(io.StringIO(out.stdout[out.stdout.index('"ID"'):])):
-        name, unit = row["Kernel Name"], row["Metric Unit"]
+
+    def label_of(name: str) -> str | None:
         label = next((label for key, label in ours.items() if key in name), None)
-        label = label or ("rms_norm (MLX)" if "rms_norm" in name else "gemv (plain)" if "gemv16" in name else None)
-        if label is not None:
-            scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3}.get(unit, 1e-3)
-            times.setdefault(label, []).append(float(row["Metric Value"].replace(",", "")) * scale)
-    return {label: statistics.median(values[1:]) for label, values in times.items()}  # past the first (the check)
+        return label or ("rms_norm (MLX)" if "rms_norm" in name else "gemv (plain)" if "gemv16" in name else None)
+
+    return kernel_medians(__file__, sys.argv[1:], {SHAPE_ENV: str(shape)}, label_of)
 
 
 def main() -> int:
