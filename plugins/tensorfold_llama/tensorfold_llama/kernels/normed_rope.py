@@ -1,7 +1,8 @@
 """The layer's first launch whole: RMSNorm, the q|k|v GEMV and RoPE in one, where the normed GEMV and the rope qkv
 record were two launches. A block takes 16 of rope's pairs, its two 16-column tiles the pairs' two elements (half a
 head apart, neox); each output is the normed GEMV's sum, rounded to bf16, then roped as the rope qkv record ropes it
-(v copied): the same bits as the two launches, one launch fewer a layer.
+(v copied): the same bits as the two launches, one launch fewer a layer. Served where TENSORFOLD_ROPE_IN=1 asks it:
+on the H200 it has been slower than the two launches so far (docs/performance.md).
 
     q, k, v = heads(bf16(xn w^T)), q and k roped at each row's own position,  xn = bf16(x * inv(x) * nw)
 """
@@ -68,7 +69,7 @@ _ROPE_STORE = """if (m == 0) {
       }"""
 # the rope qkv record's angle on each backend (CUDA in double; Metal has none). On CUDA each (row, pair) of the block
 # takes its cosine and sine while the first step's weights are on their way, in warps the norms leave idle (from the
-# last warp down): taken at the store, a half-warp's double-precision trig sat after every sum (Nsight Compute)
+# last warp down), off the store's path (the H200 timed the launch alike with the trig at the store)
 _CUDA_TRIG = """    for (int e = WARPS * 32 - 1 - (int)threadIdx.x; e < RB * 16; e += WARPS * 32) {
       const int row = row0 + e / 16;
       const int i = min(col0 + e % 16, N / 2 - 1) % half;
@@ -134,19 +135,22 @@ def _inputs(case):
             int_array([case.rows, case.dims["n"], case.dims["k"], eps_bits, *_heads(case.dims)])]
 
 
-def _launch(case):
-    """The normed GEMV's launch of the whole q|k|v width (its K split, so its sums), over blocks of 16 pairs with
-    two tiles each; three outputs in their heads' shapes."""
-    base = gemv_normed._launch_for("norm")(case)
-    h, kv, d = _heads(case.dims)
-    warps, maxt = template_value(base, "WARPS"), template_value(base, "MAXT")
-    blocks = groups(case.dims["n"] // 2, 16) * groups(case.rows, 8 * maxt)
-    template = tuple((name, 2 if name == "MT" else value) for name, value in base.template)
-    return dataclasses.replace(
-        base, grid=(blocks * warps * 32 if case.rows else 0, 1, 1), template=template,
-        output_shapes=((case.rows, h, d), (case.rows, kv, d), (case.rows, kv, d)), output_dtypes=base.output_dtypes * 3,
-        # and tf_lo, the first elements' rounded sums (and on CUDA each pair's cosine and sine)
-        static_shared=base.static_shared + (2 + 8) * 8 * maxt * 16)
+def _launch_for(kind: str):
+    def launch(case):
+        """The normed GEMV's launch of the whole q|k|v width (its K split, so its sums), over blocks of 16 pairs with
+        two tiles each; three outputs in their heads' shapes."""
+        base = gemv_normed._launch_for("norm")(case)
+        h, kv, d = _heads(case.dims)
+        warps, maxt = template_value(base, "WARPS"), template_value(base, "MAXT")
+        blocks = groups(case.dims["n"] // 2, 16) * groups(case.rows, 8 * maxt)
+        template = tuple((name, 2 if name == "MT" else value) for name, value in base.template)
+        per_pair = 2 + (8 if kind == "cuda" else 0)  # tf_lo's rounded sum (and on CUDA the pair's cosine and sine)
+        return dataclasses.replace(
+            base, grid=(blocks * warps * 32 if case.rows else 0, 1, 1), template=template,
+            output_shapes=((case.rows, h, d), (case.rows, kv, d), (case.rows, kv, d)),
+            output_dtypes=base.output_dtypes * 3, static_shared=base.static_shared + per_pair * 8 * maxt * 16)
+
+    return launch
 
 
 def source(kind: str) -> Source:
@@ -154,7 +158,7 @@ def source(kind: str) -> Source:
     header = (gemv_normed.CUDA_BF16_HEADER + gemv_normed.CUDA_NORM_HEADER + CUDA_PAIR_HEADER) if kind == "cuda" \
         else METAL_PAIR_HEADER
     return Source("gemv16_norm_rope", ("x", "w", "nw", "positions", "freqs", "dims"), OUTPUTS, _text(kind),
-                  inputs=_inputs, launch=_launch, header=header)
+                  inputs=_inputs, launch=_launch_for(kind), header=header)
 
 
 def make(dims, rows, rng):
