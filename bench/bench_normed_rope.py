@@ -8,7 +8,8 @@ record), on the 1B's shapes: bits checked first, then each path timed in chains 
 # device's time and the host's launches together, as a served step pays them. `--ncu` (CUDA) then times each kernel
 # alone under Nsight Compute at 1 and 4 rows, positions made fresh at every call as a served step makes them: the
 # one launch, the two it replaces, and the one launch's text edited to find where its time goes (timing only):
-# positions never read (the angle from the row index) and no trig (the angle itself as the cosine).
+# positions never read (the angle from the row index), no trig (the angle itself as the cosine), and the served text
+# given positions made on the device instead of on the host.
 
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ from ncu import kernel_medians
 HEADS, KV, D, K = LLAMA_1B["heads"], LLAMA_1B["kv_heads"], LLAMA_1B["head_dim"], LLAMA_1B["hidden"]
 N = (HEADS + 2 * KV) * D
 PROFILE_ENV = "TF_BENCH_NORMED_ROPE_ROWS"  # set in the profiled child
+# "device-positions" is the served text unchanged, given positions made on the device (mx.arange: device memory)
+# where every other path gets them from the host (MLX keeps host-made arrays in CUDA managed memory)
 ABLATIONS = {"no-positions": ("(double)positions[row]", "(double)(8000 + row)"),
              "no-trig": ("tf_cos[e] = (float)cos(theta);\n        tf_sin[e] = (float)sin(theta);",
-                         "tf_cos[e] = (float)theta;\n        tf_sin[e] = 0.0f;")}
+                         "tf_cos[e] = (float)theta;\n        tf_sin[e] = 0.0f;"),
+             "device-positions": ("", "")}
 
 
 def texts() -> dict:
@@ -41,8 +45,8 @@ def texts() -> dict:
     served = normed_rope.RECORD.implementations["cuda"]
     out = {}
     for label, (old, new) in ABLATIONS.items():
-        assert served.body.count(old) == 1, label
-        out[label] = dataclasses.replace(served, body=served.body.replace(old, new),
+        assert not old or served.body.count(old) == 1, label
+        out[label] = dataclasses.replace(served, body=served.body.replace(old, new) if old else served.body,
                                          name=f"gemv16_bench_{label.replace('-', '_')}")
     return out
 
@@ -80,8 +84,10 @@ def profiled_child(rows: int) -> None:
     by_label = paths("cuda", ablations=True)
     x = (mx.random.normal((rows, K), key=mx.random.key(rows)) * 3).astype(mx.bfloat16)
     for _ in range(6):
-        for path in by_label.values():
-            mx.eval(*path(x, mx.array(np.arange(8000, 8000 + rows, dtype=np.int32))))
+        for label, path in by_label.items():
+            positions = (mx.arange(8000, 8000 + rows, dtype=mx.int32) if label == "device-positions"
+                         else mx.array(np.arange(8000, 8000 + rows, dtype=np.int32)))
+            mx.eval(*path(x, positions))
 
 
 def profile(rows: int) -> dict[str, float]:
