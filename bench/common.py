@@ -207,7 +207,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"},
             "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}, "per-stream": {"TENSORFOLD_STREAM_ATTENTION": "0"},
             "unfused-residual": {"TENSORFOLD_FUSED_RESIDUAL": "0"}, "rope-apart": {"TENSORFOLD_ROPE_QKV": "0"},
-            "rope-in": {"TENSORFOLD_ROPE_IN": "1"},
+            "rope-in": {"TENSORFOLD_ROPE_IN": "1"}, "device-arrays": {"TENSORFOLD_DEVICE_STEP_ARRAYS": "1"},
             "swiglu-down": {"TENSORFOLD_SWIGLU_IN": "down"}, "stack-builtin": {"TENSORFOLD_STACK_KV": "0"},
             "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}, "all-inputs": {"TENSORFOLD_NARROW_INPUTS": "0"},
             "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
@@ -227,25 +227,27 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     drafter on MLX's ops instead of the target's table, TENSORFOLD_DRAFTER_BUILTIN=1, `:per-stream` launches a
     layer's attention a stream at a time, TENSORFOLD_STREAM_ATTENTION=0, `:unfused-residual` adds the residual and
     computes swiglu apart from o_proj's and down_proj's launches, TENSORFOLD_FUSED_RESIDUAL=0, `:rope-apart` slices
-    and ropes q, k and v op by op, TENSORFOLD_ROPE_QKV=0, `:rope-in` ropes in the normed q|k|v launch's store instead of in
-    a launch of its own after it, TENSORFOLD_ROPE_IN=1, `:swiglu-down` has down_proj compute swiglu
-    as it reads gate|up's output instead of gate|up storing it, TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks
-    the layers' new keys and values with MLX's ops, TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text
-    with its comments, TENSORFOLD_KERNEL_COMMENTS=1, `:all-inputs` launches the streams attention with all 8 cache
-    slots and stack kv with all 32 layers' inputs, TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a DSpark drafter's
-    drafts on the device for the verify, TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to
-    the host first, =0, `:norms-apart` launches a layer's norms apart from the q|k|v and gate|up launches that read
-    them, TENSORFOLD_NORM_IN=0, `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small
-    pool, TENSORFOLD_PAD_INPUTS=0, `:parts-compiled` calls each layer's compiled parts and its attention from Python
-    instead of the whole forward's one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy
-    round's logits rows and draws on the host instead of reading the device's greedy ids,
-    TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit MLX's CUDA graphs every 100 or 250 kernels instead
-    of MLX's default 20, MLX_MAX_OPS_PER_BUFFER, `:w8` splits K over 8 warps in the bf16 GEMVs of fewer than 4,096
-    outputs instead of 16 (`:w16-mt1` keeps 16 with one 16-column tile a warp), TENSORFOLD_GEMV_NARROW (32 warps ask
-    more registers than a block of 1,024 threads may hold), `:u1` has a GEMV warp load one step at a time instead of
-    two, TENSORFOLD_GEMV_STEPS=1, and `:vc32` and `:kc16-vc32` have an attention thread issue 32 value loads (and 16
-    key loads) together instead of 16 (and 8), TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a
-    thread, more than 512 threads may hold)): the JSON its last line prints."""
+    and ropes q, k and v op by op, TENSORFOLD_ROPE_QKV=0, `:rope-in` ropes in the normed q|k|v launch's store
+    instead of in a launch of its own after it, TENSORFOLD_ROPE_IN=1, `:device-arrays` copies a forward's positions
+    and row maps into device memory by a device op each before the layers, TENSORFOLD_DEVICE_STEP_ARRAYS=1,
+    `:swiglu-down` has down_proj compute swiglu as it reads gate|up's output instead of gate|up storing it,
+    TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks the layers' new keys and values with MLX's ops,
+    TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text with its comments, TENSORFOLD_KERNEL_COMMENTS=1,
+    `:all-inputs` launches the streams attention with all 8 cache slots and stack kv with all 32 layers' inputs,
+    TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a DSpark drafter's drafts on the device for the verify,
+    TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to the host first, =0, `:norms-apart`
+    launches a layer's norms apart from the q|k|v and gate|up launches that read them, TENSORFOLD_NORM_IN=0,
+    `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small pool, TENSORFOLD_PAD_INPUTS=0,
+    `:parts-compiled` calls each layer's compiled parts and its attention from Python instead of the whole forward's
+    one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy round's logits rows and draws on the
+    host instead of reading the device's greedy ids, TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit
+    MLX's CUDA graphs every 100 or 250 kernels instead of MLX's default 20, MLX_MAX_OPS_PER_BUFFER, `:w8` splits K
+    over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt1` keeps 16 with one 16-column
+    tile a warp), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block of 1,024 threads may hold), `:u1`
+    has a GEMV warp load one step at a time instead of two, TENSORFOLD_GEMV_STEPS=1, and `:vc32` and `:kc16-vc32`
+    have an attention thread issue 32 value loads (and 16 key loads) together instead of 16 (and 8),
+    TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may hold)): the
+    JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

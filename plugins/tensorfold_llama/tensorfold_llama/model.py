@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -87,6 +88,15 @@ class RoPE(nn.Module):
 
 
 PAD_POSITIONS_ENV = "TENSORFOLD_PAD_POSITIONS"  # "1": a forward's positions in 16 bytes at least (a measurement)
+# "1": a forward's host-made arrays that every layer's kernels read (the positions, the streams' row maps) copied by
+# one device op each (mx.abs of values >= 0: the same values) before the layers, a measurement: MLX keeps arrays made
+# on the host in CUDA managed memory, whose pages small arrays share, and a device op's output in device memory
+DEVICE_ARRAYS_ENV = "TENSORFOLD_DEVICE_STEP_ARRAYS"
+
+
+def on_device(array: mx.array | None) -> mx.array | None:
+    """`array` (values >= 0) as a device op's output where TENSORFOLD_DEVICE_STEP_ARRAYS=1 asks it, else itself."""
+    return mx.abs(array) if array is not None and os.environ.get(DEVICE_ARRAYS_ENV) == "1" else array
 
 
 def row_positions(spans: Sequence[Span], at_least: int = 0) -> mx.array:
@@ -111,6 +121,7 @@ def stream_groups(spans: Sequence[Span]) -> list[StreamGroup]:
         lo = part[0][0]
         hi = part[-1][0] + part[-1][1]
         layout = packed([(start - lo, n, cache.offset) for start, n, cache, _ in part])
+        layout = dataclasses.replace(layout, rowmap=on_device(layout.rowmap))
         groups.append((lo, hi, layout, [s[2].k for s in part], [s[2].v for s in part]))
     return groups
 
@@ -391,7 +402,7 @@ class Model(nn.Module):
         h = self.model.embed_tokens(ids)
         first = self.model.layers[0]
         padded = getattr(first.normed_roped_qkv, "kernel", False) and os.environ.get(PAD_POSITIONS_ENV) == "1"
-        positions = row_positions(spans, 4 if padded else 0) if first.self_attn.roped else None
+        positions = on_device(row_positions(spans, 4 if padded else 0)) if first.self_attn.roped else None
         if self.stacked:
             h = self.forward_streams(h, spans, positions)
         else:

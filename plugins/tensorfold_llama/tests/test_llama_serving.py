@@ -530,3 +530,14 @@ def test_a_drafter_on_the_records_or_on_mlx_s_ops_drafts_and_its_replies_stay_th
     plain.finish()
     assert replies["1"][0] == replies["0"][0] == plain.tokens(0) and len(plain.tokens(0)) == 40
     assert replies["0"][1] > 0 and replies["1"][1] > 0  # both drafters' drafts land
+
+
+def test_asked_a_forward_s_host_made_arrays_become_device_ops_of_the_same_values_and_otherwise_stay_themselves(
+        monkeypatch):
+    from tensorfold_llama.model import DEVICE_ARRAYS_ENV, on_device
+
+    rowmap = mx.array([[0, 17, 0], [1, 900, 1]], mx.int32)
+    assert on_device(rowmap) is rowmap and on_device(None) is None
+    monkeypatch.setenv(DEVICE_ARRAYS_ENV, "1")
+    copied = on_device(rowmap)
+    assert copied is not rowmap and copied.dtype == mx.int32 and mx.array_equal(copied, rowmap).item()
