@@ -19,8 +19,9 @@
 #   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
 #             (tools/device/load_time.py)
 #   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
-#             once per KERNEL_KNOBS entry (space-separated; "-" for none, e.g. "- TENSORFOLD_GEMV_NARROW=8
-#             TENSORFOLD_GEMV_STEPS=1"); the first also builds every kernel, so give CAP_KERNELS room for it
+#             once per KERNEL_KNOBS entry (space-separated; "-" for none, "+" joins two settings in one entry,
+#             e.g. "- TENSORFOLD_GEMV_NARROW=8 TENSORFOLD_ROPE_IN=1+TENSORFOLD_DEVICE_STEP_ARRAYS=1"); the first also
+#             builds every kernel, so give CAP_KERNELS room for it
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
@@ -72,7 +73,7 @@ for what in "${@:-bench pair exact contract affine}"; do
       kernels)
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
           && for knob in ${KERNEL_KNOBS:--}; do echo \"== knob \$knob\"; \
-          env \$([ \"\$knob\" = - ] || echo \$knob) TENSORFOLD_KERNELS=table python3 tools/device/kernel_times.py \
+          env \$([ \"\$knob\" = - ] || echo \$knob | tr + ' ') TENSORFOLD_KERNELS=table python3 tools/device/kernel_times.py \
           /tmp/b1 --warm --steps 4 --top 8 2>&1 | grep -v '^kernels\|^probe'; done" \
           step kernels "${CAP_KERNELS:-240}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/kernels.txt" ;;
