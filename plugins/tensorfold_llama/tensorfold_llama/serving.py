@@ -24,7 +24,7 @@ ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
 # (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
 STACK_KV_ENV = "TENSORFOLD_STACK_KV"
 # "1": where the norm folds into q|k|v and rope qkv serves, rope is stored by that launch too (neox pairs), a launch
-# fewer a layer; not the default: on the H200 that launch took 21 us against 9.7 + 4.9 apart (docs/performance.md)
+# fewer a layer; not the default: slower on the H200 than the two launches so far (docs/performance.md)
 ROPE_IN_ENV = "TENSORFOLD_ROPE_IN"
 # where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
 # default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
@@ -69,7 +69,7 @@ class NormedRopedQKV:
         from tensorfold_contract.serving import Prepared
         from tensorfold_core.row_kernels.gemv import OUT
 
-        self.kernel = isinstance(record.implementations[kind], Source)  # reads positions past the rows never
+        self.kernel = isinstance(record.implementations[kind], Source)  # never reads positions past the rows
         stacked, freqs = attn.qkv, attn.rope.divisors()
         dims = {"n": stacked.bounds[-1], "k": stacked.dims["k"], "eps": norm.eps, "out": OUT, "heads": attn.n_heads,
                 "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim, "dtype": OUT}
