@@ -127,14 +127,18 @@ def _normed_text(kind: str, fusion: str) -> str:
     return once(body, _METAL_LOAD, _METAL_NORMED)
 
 
+def eps_bits(eps: float) -> int:
+    """eps's float32 bits as an int32, as it rides in a kernel's dims array."""
+    return int(np.array([eps], np.float32).view(np.int32)[0])
+
+
 def _inputs(case):
     import mlx.core as mx
 
     # eps rides in the dims array as its float32 bits: on the H200 a kernel that read it from an input of its own (4
     # bytes) took 13 us longer a launch (docs/kernel-contract.md)
-    eps_bits = int(np.array([case.dims["eps"]], np.float32).view(np.int32)[0])
     return [case.array("x", mx.bfloat16), case.array("w", mx.bfloat16), case.array("nw", mx.bfloat16),
-            int_array([case.rows, case.dims["n"], case.dims["k"], eps_bits])]
+            int_array([case.rows, case.dims["n"], case.dims["k"], eps_bits(case.dims["eps"])])]
 
 
 def _launch_for(fusion: str):

@@ -87,7 +87,6 @@ class RoPE(nn.Module):
         return mx.array((freqs / self.scale).astype(np.float32))
 
 
-PAD_POSITIONS_ENV = "TENSORFOLD_PAD_POSITIONS"  # "1": a forward's positions in 16 bytes at least (a measurement)
 # "1": a forward's host-made arrays that every layer's kernels read (the positions, the streams' row maps) copied by
 # one device op each (mx.abs of values >= 0: the same values) before the layers, a measurement: MLX keeps arrays made
 # on the host in CUDA managed memory, whose pages small arrays share, and a device op's output in device memory
@@ -99,12 +98,11 @@ def on_device(array: mx.array | None) -> mx.array | None:
     return mx.abs(array) if array is not None and os.environ.get(DEVICE_ARRAYS_ENV) == "1" else array
 
 
-def row_positions(spans: Sequence[Span], at_least: int = 0) -> mx.array:
+def row_positions(spans: Sequence[Span]) -> mx.array:
     """Each packed row's absolute position in its stream, once a forward for every layer's rope. A plain host array,
     not a padded constant (kernel_array): made fresh each step, a padded one cost the rope more on the H200
-    (docs/gpu.md). `at_least` entries (zeros past the rows) where only kernels read it, to measure that again."""
-    rows = [p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)]
-    return mx.array(rows + [0] * (at_least - len(rows)), mx.int32)
+    (docs/gpu.md)."""
+    return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
 
 
 StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
@@ -121,7 +119,8 @@ def stream_groups(spans: Sequence[Span]) -> list[StreamGroup]:
         lo = part[0][0]
         hi = part[-1][0] + part[-1][1]
         layout = packed([(start - lo, n, cache.offset) for start, n, cache, _ in part])
-        layout = dataclasses.replace(layout, rowmap=on_device(layout.rowmap))
+        if (rowmap := on_device(layout.rowmap)) is not layout.rowmap:
+            layout = dataclasses.replace(layout, rowmap=rowmap)
         groups.append((lo, hi, layout, [s[2].k for s in part], [s[2].v for s in part]))
     return groups
 
@@ -400,9 +399,7 @@ class Model(nn.Module):
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
-        first = self.model.layers[0]
-        padded = getattr(first.normed_roped_qkv, "kernel", False) and os.environ.get(PAD_POSITIONS_ENV) == "1"
-        positions = on_device(row_positions(spans, 4 if padded else 0)) if first.self_attn.roped else None
+        positions = on_device(row_positions(spans)) if self.model.layers[0].self_attn.roped else None
         if self.stacked:
             h = self.forward_streams(h, spans, positions)
         else:

@@ -65,11 +65,9 @@ class NormedRopedQKV:
     rope in one launch of the normed rope record, over the stacked q|k|v weights and the layer's rope frequencies."""
 
     def __init__(self, attn, norm, record, kind: str):
-        from tensorfold_contract import Source
         from tensorfold_contract.serving import Prepared
         from tensorfold_core.row_kernels.gemv import OUT
 
-        self.kernel = isinstance(record.implementations[kind], Source)  # never reads positions past the rows
         stacked, freqs = attn.qkv, attn.rope.divisors()
         dims = {"n": stacked.bounds[-1], "k": stacked.dims["k"], "eps": norm.eps, "out": OUT, "heads": attn.n_heads,
                 "kv_heads": attn.n_kv_heads, "head_dim": attn.head_dim, "dtype": OUT}

@@ -536,6 +536,7 @@ def test_asked_a_forward_s_host_made_arrays_become_device_ops_of_the_same_values
         monkeypatch):
     from tensorfold_llama.model import DEVICE_ARRAYS_ENV, on_device
 
+    monkeypatch.delenv(DEVICE_ARRAYS_ENV, raising=False)  # the default, whatever the run sets
     rowmap = mx.array([[0, 17, 0], [1, 900, 1]], mx.int32)
     assert on_device(rowmap) is rowmap and on_device(None) is None
     monkeypatch.setenv(DEVICE_ARRAYS_ENV, "1")

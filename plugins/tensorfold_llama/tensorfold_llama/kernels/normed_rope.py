@@ -129,10 +129,10 @@ def _heads(dims) -> tuple[int, int, int]:
 def _inputs(case):
     import mlx.core as mx
 
-    eps_bits = int(np.array([case.dims["eps"]], np.float32).view(np.int32)[0])  # eps rides in dims, as the GEMV's
     return [case.array("x", mx.bfloat16), case.array("w", mx.bfloat16), case.array("nw", mx.bfloat16),
             case.array("positions"), case.array("freqs"),
-            int_array([case.rows, case.dims["n"], case.dims["k"], eps_bits, *_heads(case.dims)])]
+            int_array([case.rows, case.dims["n"], case.dims["k"], gemv_normed.eps_bits(case.dims["eps"]),
+                       *_heads(case.dims)])]
 
 
 def _launch_for(kind: str):
