@@ -207,7 +207,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "rope-windows": {"TENSORFOLD_ROPE_ROWS": "0"}, "in-step": {"TENSORFOLD_LOOKAHEAD": "0"},
             "drafter-builtin": {"TENSORFOLD_DRAFTER_BUILTIN": "1"}, "per-stream": {"TENSORFOLD_STREAM_ATTENTION": "0"},
             "unfused-residual": {"TENSORFOLD_FUSED_RESIDUAL": "0"}, "rope-apart": {"TENSORFOLD_ROPE_QKV": "0"},
-            "rope-in": {"TENSORFOLD_ROPE_IN": "1"}, "device-arrays": {"TENSORFOLD_DEVICE_STEP_ARRAYS": "1"},
+            "rope-in": {"TENSORFOLD_ROPE_IN": "1"}, "host-arrays": {"TENSORFOLD_DEVICE_STEP_ARRAYS": "0"},
             "swiglu-down": {"TENSORFOLD_SWIGLU_IN": "down"}, "stack-builtin": {"TENSORFOLD_STACK_KV": "0"},
             "commented": {"TENSORFOLD_KERNEL_COMMENTS": "1"}, "all-inputs": {"TENSORFOLD_NARROW_INPUTS": "0"},
             "held": {"TENSORFOLD_HELD_ON_TARGET": "1"}, "read-back": {"TENSORFOLD_HELD_ON_TARGET": "0"},
@@ -228,8 +228,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     layer's attention a stream at a time, TENSORFOLD_STREAM_ATTENTION=0, `:unfused-residual` adds the residual and
     computes swiglu apart from o_proj's and down_proj's launches, TENSORFOLD_FUSED_RESIDUAL=0, `:rope-apart` slices
     and ropes q, k and v op by op, TENSORFOLD_ROPE_QKV=0, `:rope-in` ropes in the normed q|k|v launch's store
-    instead of in a launch of its own after it, TENSORFOLD_ROPE_IN=1, `:device-arrays` copies a forward's positions
-    and row maps into device memory by a device op each before the layers, TENSORFOLD_DEVICE_STEP_ARRAYS=1,
+    instead of in a launch of its own after it, TENSORFOLD_ROPE_IN=1, `:host-arrays` makes a forward's positions and
+    row maps on the host each step instead of by device ops, TENSORFOLD_DEVICE_STEP_ARRAYS=0,
     `:swiglu-down` has down_proj compute swiglu as it reads gate|up's output instead of gate|up storing it,
     TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks the layers' new keys and values with MLX's ops,
     TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text with its comments, TENSORFOLD_KERNEL_COMMENTS=1,

@@ -20,7 +20,7 @@
 #             (tools/device/load_time.py)
 #   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
 #             once per KERNEL_KNOBS entry (space-separated; "-" for none, "+" joins two settings in one entry,
-#             e.g. "- TENSORFOLD_GEMV_NARROW=8 TENSORFOLD_ROPE_IN=1+TENSORFOLD_DEVICE_STEP_ARRAYS=1"); the first also
+#             e.g. "- TENSORFOLD_GEMV_NARROW=8 TENSORFOLD_ROPE_IN=1+TENSORFOLD_DEVICE_STEP_ARRAYS=0"); the first also
 #             builds every kernel, so give CAP_KERNELS room for it
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -15,6 +13,7 @@ from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep
                                       packed_ids, picked_logits, swiglu)
 
 from .cache import KeptKV, KVCache, StackedKV, size_class
+from .step_arrays import row_positions, rowmap
 
 
 @dataclass
@@ -87,41 +86,22 @@ class RoPE(nn.Module):
         return mx.array((freqs / self.scale).astype(np.float32))
 
 
-# "1": a forward's host-made arrays that every layer's kernels read (the positions, the streams' row maps) copied by
-# one device op each (mx.abs of values >= 0: the same values) before the layers, a measurement: MLX keeps arrays made
-# on the host in CUDA managed memory, whose pages small arrays share, and a device op's output in device memory
-DEVICE_ARRAYS_ENV = "TENSORFOLD_DEVICE_STEP_ARRAYS"
-
-
-def on_device(array: mx.array | None) -> mx.array | None:
-    """`array` (values >= 0) as a device op's output where TENSORFOLD_DEVICE_STEP_ARRAYS=1 asks it, else itself."""
-    return mx.abs(array) if array is not None and os.environ.get(DEVICE_ARRAYS_ENV) == "1" else array
-
-
-def row_positions(spans: Sequence[Span]) -> mx.array:
-    """Each packed row's absolute position in its stream, once a forward for every layer's rope. A plain host array,
-    not a padded constant (kernel_array): made fresh each step, a padded one cost the rope more on the H200
-    (docs/gpu.md)."""
-    return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
-
-
 StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
 
 
-def stream_groups(spans: Sequence[Span]) -> list[StreamGroup]:
+def stream_groups(spans: Sequence[Span], positions: mx.array) -> list[StreamGroup]:
     """A forward's streams in groups of as many as one packed-streams launch takes, each with its rows' map."""
     from tensorfold_core.row_kernels.attention_sources import STREAM_SLOTS
-    from tensorfold_core.row_kernels.attention_streams import packed
+    from tensorfold_core.row_kernels.attention_streams import Packed
 
     groups = []
     for g in range(0, len(spans), STREAM_SLOTS):
         part = spans[g:g + STREAM_SLOTS]
         lo = part[0][0]
         hi = part[-1][0] + part[-1][1]
-        layout = packed([(start - lo, n, cache.offset) for start, n, cache, _ in part])
-        if (rowmap := on_device(layout.rowmap)) is not layout.rowmap:
-            layout = dataclasses.replace(layout, rowmap=rowmap)
-        groups.append((lo, hi, layout, [s[2].k for s in part], [s[2].v for s in part]))
+        layout = tuple((start - lo, n, cache.offset) for start, n, cache, _ in part)
+        packed = Packed(layout, rowmap(layout, positions[lo:hi]))
+        groups.append((lo, hi, packed, [s[2].k for s in part], [s[2].v for s in part]))
     return groups
 
 
@@ -150,8 +130,8 @@ def whole_layers(layers: Sequence[nn.Module], stack_kv, layout: tuple) -> Callab
 
     def traced(h, positions, rowmaps, keys, values):
         groups, at = [], 0
-        for (lo, hi, spans, n), rowmap in zip(layout, rowmaps):
-            groups.append((lo, hi, Packed(spans, rowmap), keys[at:at + n], values[at:at + n]))
+        for (lo, hi, spans, n), group_rowmap in zip(layout, rowmaps):
+            groups.append((lo, hi, Packed(spans, group_rowmap), keys[at:at + n], values[at:at + n]))
             at += n
         return run_layers(layers, parts, stack_kv, h, positions, groups)
 
@@ -399,7 +379,7 @@ class Model(nn.Module):
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
-        positions = on_device(row_positions(spans)) if self.model.layers[0].self_attn.roped else None
+        positions = row_positions(spans) if self.stacked or self.model.layers[0].self_attn.roped else None
         if self.stacked:
             h = self.forward_streams(h, spans, positions)
         else:
@@ -413,7 +393,8 @@ class Model(nn.Module):
     def forward_streams(self, h: mx.array, spans: Sequence[Span], positions: mx.array) -> mx.array:
         """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
         as they were; then each stream's window of every layer stored at once."""
-        groups, traced = stream_groups(spans), None
+        groups, traced = stream_groups(spans, positions), None
+        positions = positions if self.model.layers[0].self_attn.roped else None
         if self.whole is not None:  # every layer in one compiled call: one trace a shape replays every launch
             layout = tuple((lo, hi, packed.spans if self.whole_spans else None, len(ks))
                            for lo, hi, packed, ks, _ in groups)

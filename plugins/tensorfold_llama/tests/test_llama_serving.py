@@ -532,13 +532,25 @@ def test_a_drafter_on_the_records_or_on_mlx_s_ops_drafts_and_its_replies_stay_th
     assert replies["0"][1] > 0 and replies["1"][1] > 0  # both drafters' drafts land
 
 
-def test_asked_a_forward_s_host_made_arrays_become_device_ops_of_the_same_values_and_otherwise_stay_themselves(
+def test_a_forward_s_positions_and_row_maps_made_by_device_ops_hold_the_host_made_values_for_every_layout(
         monkeypatch):
-    from tensorfold_llama.model import DEVICE_ARRAYS_ENV, on_device
+    from types import SimpleNamespace
 
-    monkeypatch.delenv(DEVICE_ARRAYS_ENV, raising=False)  # the default, whatever the run sets
-    rowmap = mx.array([[0, 17, 0], [1, 900, 1]], mx.int32)
-    assert on_device(rowmap) is rowmap and on_device(None) is None
-    monkeypatch.setenv(DEVICE_ARRAYS_ENV, "1")
-    copied = on_device(rowmap)
-    assert copied is not rowmap and copied.dtype == mx.int32 and mx.array_equal(copied, rowmap).item()
+    from tensorfold_core.families import Span
+    from tensorfold_llama.step_arrays import DEVICE_ARRAYS_ENV, host_rowmap, row_positions, rowmap
+
+    layouts = [[(1, 40)], [(5, 0)], [(1, 7), (1, 900)], [(2, 3), (0, 11), (4, 60)], [(1, o) for o in range(8)]]
+    for layout in layouts:
+        spans, start = [], 0
+        for n, offset in layout:
+            spans.append(Span(start, n, SimpleNamespace(offset=offset), None))
+            start += n
+        expected = [offset + i for n, offset in layout for i in range(n)]
+        triples = [(s.start, s.n, s.cache.offset) for s in spans]
+        made = {}
+        for setting in ("1", "0"):
+            monkeypatch.setenv(DEVICE_ARRAYS_ENV, setting)
+            positions = row_positions(spans)
+            made[setting] = (positions.tolist(), rowmap(triples, positions).tolist())
+            assert positions.dtype == mx.int32 and positions.tolist() == expected, (layout, setting)
+        assert made["1"] == made["0"] == (expected, host_rowmap(triples).tolist()), layout

@@ -1,0 +1,75 @@
+"""The small arrays a forward's kernels read at every layer (the rows' positions, the streams' row maps), made by
+device ops: MLX keeps an array made on the host in CUDA managed memory, and every launch reading one paid for it on
+the H200 (docs/gpu.md), where an arange's bounds travel as its launch's parameters and read no memory at all."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from tensorfold_core.families import Span
+
+# "0": made on the host each step instead, as before (a measurement: bench variant `:host-arrays`)
+DEVICE_ARRAYS_ENV = "TENSORFOLD_DEVICE_STEP_ARRAYS"
+# int32 values past MLX's 8-byte scalar pool, which is managed memory shared with every small array the host makes
+SMALLEST_ROWS = 3
+STATIC_LIMIT = 4096  # row-map layouts kept; a drafting group meets a few hundred
+
+_STATIC: dict = {}  # streams' (first row, rows) -> their rows' (slot, 0, window's first row), in device memory
+_COLUMN: list = []  # (0, 1, 0) in device memory: where a row map's position goes
+
+
+def device_made() -> bool:
+    """Whether a forward's step arrays come from device ops (the default) or from the host."""
+    return os.environ.get(DEVICE_ARRAYS_ENV, "1") != "0"
+
+
+def row_positions(spans: Sequence[Span]) -> mx.array:
+    """Each packed row's absolute position in its stream, once a forward for every layer's rope and row map: one
+    arange a stream, the last run on past the scalar pool's size and the padding cut off by a view."""
+    if not device_made():
+        return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
+    bounds = [[cache.offset, cache.offset + n] for _, n, cache, _ in spans if n]
+    if not bounds:
+        return mx.zeros((0,), mx.int32)
+    rows = sum(stop - start for start, stop in bounds)
+    pad = max(0, SMALLEST_ROWS - rows)
+    bounds[-1][1] += pad
+    parts = [mx.arange(start, stop, dtype=mx.int32) for start, stop in bounds]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    return out[:rows] if pad else out
+
+
+def host_rowmap(spans: Sequence[tuple[int, int, int]]) -> np.ndarray:
+    """The row map of streams at (first row, rows, cache offset): each row's (slot, position, window's first row)."""
+    rows = [(slot, offset + i, start) for slot, (start, n, offset) in enumerate(spans) for i in range(n)]
+    return np.array(rows, np.int32).reshape(-1, 3)
+
+
+def _with_positions(static: mx.array, positions: mx.array, column: mx.array) -> mx.array:
+    return static + positions[:, None] * column
+
+
+_rowmap_of = mx.compile(_with_positions)  # one launch, not a multiply and an add
+
+
+def rowmap(spans: Sequence[tuple[int, int, int]], positions: mx.array) -> mx.array:
+    """host_rowmap's values from the group's rows of row_positions and a device copy of the layout's slots and
+    windows, made once a layout (the copy's kernel is the only one that reads host memory for it)."""
+    if not device_made():
+        return mx.array(host_rowmap(spans))
+    key = tuple((start, n) for start, n, _ in spans)
+    static = _STATIC.get(key)
+    if static is None:
+        if len(_STATIC) >= STATIC_LIMIT:
+            _STATIC.clear()
+        rows = [(slot, 0, start) for slot, (start, n) in enumerate(key) for _ in range(n)]
+        static = _STATIC[key] = mx.abs(mx.array(np.array(rows, np.int32).reshape(-1, 3)))
+    if not _COLUMN:
+        _COLUMN.append(mx.abs(mx.array(np.array([0, 1, 0], np.int32))))
+    if static.shape[0] == 0:
+        return static
+    return _rowmap_of(static, positions, _COLUMN[0])
