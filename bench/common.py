@@ -214,7 +214,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "norms-apart": {"TENSORFOLD_NORM_IN": "0"}, "small-inputs": {"TENSORFOLD_PAD_INPUTS": "0"},
             "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}, "rows-read": {"TENSORFOLD_DEVICE_GREEDY": "0"},
             "ops-100": {"MLX_MAX_OPS_PER_BUFFER": "100"}, "ops-250": {"MLX_MAX_OPS_PER_BUFFER": "250"},
-            "w8": {"TENSORFOLD_GEMV_NARROW": "8"}, "w16-mt1": {"TENSORFOLD_GEMV_NARROW": "16:1"},
+            "w8": {"TENSORFOLD_GEMV_NARROW": "8"}, "w16-mt2": {"TENSORFOLD_GEMV_NARROW": "16:2"},
             "u1": {"TENSORFOLD_GEMV_STEPS": "1"}, "vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "8,32"},
             "kc16-vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "16,32"}}
 
@@ -242,8 +242,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy round's logits rows and draws on the
     host instead of reading the device's greedy ids, TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit
     MLX's CUDA graphs every 100 or 250 kernels instead of MLX's default 20, MLX_MAX_OPS_PER_BUFFER, `:w8` splits K
-    over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt1` keeps 16 with one 16-column
-    tile a warp), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block of 1,024 threads may hold), `:u1`
+    over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt2` keeps 16 with two 16-column
+    tiles a warp, as before one became the default), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block of 1,024 threads may hold), `:u1`
     has a GEMV warp load one step at a time instead of two, TENSORFOLD_GEMV_STEPS=1, and `:vc32` and `:kc16-vc32`
     have an attention thread issue 32 value loads (and 16 key loads) together instead of 16 (and 8),
     TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may hold)): the

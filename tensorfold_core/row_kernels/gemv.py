@@ -28,6 +28,8 @@ STEPS_ENV = "TENSORFOLD_GEMV_STEPS"  # U, the 32-input steps a warp loads at onc
 # shapes' sums anew, alike at any row count (the contract proves each record at it).
 NARROW_WARPS = 16
 NARROW_COLUMNS = 4096  # below this a call has fewer 32-column blocks than the H200 has SMs (132)
+# and one 16-column tile a warp there, not two: twice the blocks (128 for 2,048 outputs), each column's sum as before
+NARROW_TILES = 1
 # "W" or "W:MT": another split (and column tiles a warp) for those calls, a measurement the contract must prove again
 NARROW_ENV = "TENSORFOLD_GEMV_NARROW"
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
@@ -58,7 +60,7 @@ def geometry(n: int, rows: int) -> tuple[int, int, int, int]:
     maxt, mt, u = tiles(rows)
     if n >= NARROW_COLUMNS:
         return WARPS, maxt, mt, u
-    warps, _, narrow_mt = os.environ.get(NARROW_ENV, str(NARROW_WARPS)).partition(":")
+    warps, _, narrow_mt = os.environ.get(NARROW_ENV, f"{NARROW_WARPS}:{NARROW_TILES}").partition(":")
     return int(warps), maxt, int(narrow_mt or mt), u
 
 
