@@ -537,7 +537,8 @@ def test_a_forward_s_positions_and_row_maps_made_by_device_ops_hold_the_host_mad
     from types import SimpleNamespace
 
     from tensorfold_core.families import Span
-    from tensorfold_llama.step_arrays import DEVICE_ARRAYS_ENV, host_rowmap, row_positions, rowmap
+    from tensorfold_core.row_kernels.attention_streams import packed
+    from tensorfold_llama.step_arrays import DEVICE_ARRAYS_ENV, row_positions, rowmap
 
     layouts = [[(1, 40)], [(5, 0)], [(1, 7), (1, 900)], [(2, 3), (0, 11), (4, 60)], [(1, o) for o in range(8)]]
     for layout in layouts:
@@ -553,4 +554,4 @@ def test_a_forward_s_positions_and_row_maps_made_by_device_ops_hold_the_host_mad
             positions = row_positions(spans)
             made[setting] = (positions.tolist(), rowmap(triples, positions).tolist())
             assert positions.dtype == mx.int32 and positions.tolist() == expected, (layout, setting)
-        assert made["1"] == made["0"] == (expected, host_rowmap(triples).tolist()), layout
+        assert made["1"] == made["0"] == (expected, packed(triples).rowmap.tolist()), layout
