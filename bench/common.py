@@ -242,12 +242,12 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy round's logits rows and draws on the
     host instead of reading the device's greedy ids, TENSORFOLD_DEVICE_GREEDY=0, `:ops-100` and `:ops-250` commit
     MLX's CUDA graphs every 100 or 250 kernels instead of MLX's default 20, MLX_MAX_OPS_PER_BUFFER, `:w8` splits K
-    over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt2` keeps 16 with two 16-column
-    tiles a warp, as before one became the default), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block of 1,024 threads may hold), `:u1`
-    has a GEMV warp load one step at a time instead of two, TENSORFOLD_GEMV_STEPS=1, and `:vc32` and `:kc16-vc32`
-    have an attention thread issue 32 value loads (and 16 key loads) together instead of 16 (and 8),
-    TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may hold)): the
-    JSON its last line prints."""
+    over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt2` keeps 16 with two
+    16-column tiles a warp, the default until one), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block
+    of 1,024 threads may hold), `:u1` has a GEMV warp load one step at a time instead of two, TENSORFOLD_GEMV_STEPS=1,
+    and `:vc32` and `:kc16-vc32` have an attention thread issue 32 value loads (and 16 key loads) together instead
+    of 16 (and 8), TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may
+    hold)): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
