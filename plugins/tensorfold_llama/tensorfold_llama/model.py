@@ -379,7 +379,7 @@ class Model(nn.Module):
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows, self.args.sliding_window)
         h = self.model.embed_tokens(ids)
-        positions = row_positions(spans) if self.stacked or self.model.layers[0].self_attn.roped else None
+        positions = row_positions(spans) if self.model.layers[0].self_attn.roped else None  # always, where stacked
         if self.stacked:
             h = self.forward_streams(h, spans, positions)
         else:
@@ -394,7 +394,6 @@ class Model(nn.Module):
         """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
         as they were; then each stream's window of every layer stored at once."""
         groups, traced = stream_groups(spans, positions), None
-        positions = positions if self.model.layers[0].self_attn.roped else None
         if self.whole is not None:  # every layer in one compiled call: one trace a shape replays every launch
             layout = tuple((lo, hi, packed.spans if self.whole_spans else None, len(ks))
                            for lo, hi, packed, ks, _ in groups)
