@@ -216,7 +216,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "ops-100": {"MLX_MAX_OPS_PER_BUFFER": "100"}, "ops-250": {"MLX_MAX_OPS_PER_BUFFER": "250"},
             "w8": {"TENSORFOLD_GEMV_NARROW": "8"}, "w16-mt2": {"TENSORFOLD_GEMV_NARROW": "16:2"},
             "u1": {"TENSORFOLD_GEMV_STEPS": "1"}, "vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "8,32"},
-            "kc16-vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "16,32"}}
+            "kc16-vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "16,32"}, "l2-256": {"TENSORFOLD_GEMV_LOAD": "l2-256"},
+            "l2-128": {"TENSORFOLD_GEMV_LOAD": "l2-128"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -247,7 +248,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     of 1,024 threads may hold), `:u1` has a GEMV warp load one step at a time instead of two, TENSORFOLD_GEMV_STEPS=1,
     and `:vc32` and `:kc16-vc32` have an attention thread issue 32 value loads (and 16 key loads) together instead
     of 16 (and 8), TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may
-    hold)): the JSON its last line prints."""
+    hold), `:l2-256` and `:l2-128` have the bf16 GEMVs' 16-byte loads ask L2 for 256 or 128 bytes,
+    TENSORFOLD_GEMV_LOAD): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

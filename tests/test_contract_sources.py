@@ -81,3 +81,16 @@ def test_the_normed_gemv_sums_its_norm_over_the_rmsnorm_record_s_threads_whateve
         assert dict(source.launch(gates.Case(shape, 4, {}, record.row_inputs)).template)["WARPS"] == 16
         assert norm in source.body and "NW" in norm and "WARPS" not in norm, kind
         assert f"constexpr int NW = {rmsnorm.THREADS // 32};" in source.body
+
+
+def test_a_gemv_load_flavour_changes_the_bf16_header_s_16_byte_load_and_nothing_else():
+    from tensorfold_core.row_kernels.gemv_sources import LOAD_ENV, LOADS, bf16_header
+
+    plain = bf16_header("plain").splitlines()
+    for load in set(LOADS) - {"plain"}:
+        hinted = bf16_header(load).splitlines()
+        changed = [(a, b) for a, b in zip(plain, hinted) if a != b]
+        assert len(hinted) == len(plain) and len(changed) == 1, load
+        assert LOADS[load] in changed[0][1] and "reinterpret_cast<const uint4*>" in changed[0][0]
+    with pytest.raises(ValueError, match=LOAD_ENV):
+        bf16_header("l2-512")

@@ -3,7 +3,29 @@
 # The bf16 kernel. Template constants: WARPS (the K split, fixed), MAXT (8-row tiles a block), MT (16-column tiles
 # a warp), U (32-input steps whose loads go out together) and T (the output type). Only the geometry follows the row
 # count; no (row, column) sum ever does.
-CUDA_BF16_HEADER = """
+import os
+
+LOAD_ENV = "TENSORFOLD_GEMV_LOAD"  # a measurement: how the bf16 kernels' 16-byte loads ask for memory (read at import)
+# The PTX of each flavour's 16-byte load ("plain" is C++'s own). A decode's weights stream from HBM once, and a warp's
+# load reads 64 bytes of a weight row whose next 64 another warp reads: an L2 hint of 128 or 256 bytes has one DRAM
+# access serve both. Only when bytes arrive changes, never a value or a sum.
+LOADS = {"plain": "", "nc": "ld.global.nc.v4.u32", "l2-128": "ld.global.nc.L2::128B.v4.u32",
+         "l2-256": "ld.global.nc.L2::256B.v4.u32"}
+_PLAIN_LOAD = "if (k < K) return *reinterpret_cast<const uint4*>(a + (size_t)row * K + k);"
+
+
+def bf16_header(load: str = "plain") -> str:
+    """The bf16 kernels' shared header with its 16-byte loads as `load` (one of LOADS) asks."""
+    if load not in LOADS:
+        raise ValueError(f"{LOAD_ENV}={load!r}: expected one of {', '.join(LOADS)}")
+    if not LOADS[load]:
+        return _BF16_HEADER
+    hinted = ("if (k < K) { uint4 v; asm(\"" + LOADS[load] + " {%0, %1, %2, %3}, [%4];\" : \"=r\"(v.x), "
+              "\"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : \"l\"(a + (size_t)row * K + k)); return v; }")
+    return _BF16_HEADER.replace(_PLAIN_LOAD, hinted)
+
+
+_BF16_HEADER = """
 // 8 consecutive bf16 of row `row` from input k on (16 bytes), zeros past K; one 16-byte load where rows are aligned
 __device__ __forceinline__ uint4 tf_load8(const __nv_bfloat16* a, int row, int k, int K, bool vec) {
   if (vec) {
@@ -30,6 +52,7 @@ __device__ __forceinline__ void tf_mma(float* d, unsigned int a0, unsigned int a
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 """
+CUDA_BF16_HEADER = bf16_header(os.environ.get(LOAD_ENV, "plain"))
 
 CUDA_BF16 = """
 // y[r, n] = sum_k x[r, k] w[n, k] for any number of rows, the weights read once per 8*MAXT rows.
