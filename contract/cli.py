@@ -9,11 +9,12 @@ import sys
 import time
 
 from .isolate import child_main
-from .runner import NoMatch, run_contract
+from .runner import NoMatch, OrderFile, run_contract, seconds_of_report
 
 
 def run_cli(only=(), as_json: bool = False, seed: int | None = None, out=None, err=None,
-            isolate: bool | None = None, jobs: int | None = None, progress: bool | None = None) -> int:
+            isolate: bool | None = None, jobs: int | None = None, progress: bool | None = None,
+            order_from: str | None = None) -> int:
     """Run the contract and print it; 0 when nothing failed and no control was missed, 1 otherwise, 2 on misuse."""
     out, err = out or sys.stdout, err or sys.stderr
     start = time.monotonic()
@@ -22,9 +23,10 @@ def run_cli(only=(), as_json: bool = False, seed: int | None = None, out=None, e
         print(f"  … {time.monotonic() - start:6.1f} s  {what}", file=err, flush=True)
 
     try:
+        seconds = seconds_of_report(order_from) if order_from else None
         report = run_contract(only=only, seed=seed, progress=step if (err.isatty() if progress is None else progress)
-                              else None, isolate=isolate, jobs=jobs)
-    except NoMatch as exc:
+                              else None, isolate=isolate, jobs=jobs, seconds=seconds)
+    except (NoMatch, OrderFile) as exc:
         print(f"tensorfold contract: error: {exc}", file=err)
         return 2
     if as_json:
@@ -49,6 +51,9 @@ def main(argv=None) -> int:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="print each step as it starts, with the seconds since the run began, on stderr "
                              "(default: when stderr is a terminal)")
+    parser.add_argument("--order-from", metavar="REPORT",
+                        help="an earlier run's --json report: start the records that took longest there first "
+                             "(records it lacks before them), so a run of many jobs does not end on one started last")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the isolated run's child: one record's steps
     args = parser.parse_args(argv)
     if args.jobs is not None and (args.jobs < 1 or (args.jobs > 1 and args.isolate is False)):
@@ -57,4 +62,5 @@ def main(argv=None) -> int:
         return child_main(json.loads(args.child))
     if not faulthandler.is_enabled():
         faulthandler.enable()  # without --isolate a crash at least leaves the Python stack on stderr
-    return run_cli(args.only, args.json, args.seed, isolate=args.isolate, jobs=args.jobs, progress=args.progress)
+    return run_cli(args.only, args.json, args.seed, isolate=args.isolate, jobs=args.jobs, progress=args.progress,
+                   order_from=args.order_from)

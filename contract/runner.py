@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -22,13 +23,14 @@ JOBS = 8
 
 def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, device: devices.Device | None = None,
                  progress: Callable[[str], None] | None = None, isolate: bool | None = None,
-                 jobs: int | None = None) -> Report:
+                 jobs: int | None = None, seconds: dict[str, float] | None = None) -> Report:
     """Run every registered record (or those `only` names: kernel, family, plugin or distribution; globs allowed).
 
     `isolate` runs each record in a child process (default: on a GPU, not on the CPU), so a crash in MLX or a
     kernel fails that record's step, and the rest of the run and its summary go on. Children find the records
     through the installed entry points, so isolation takes no `pm`. `jobs` isolated records run at once (default
-    JOBS, at most half the host's cores, where isolated); the report keeps record order.
+    JOBS, at most half the host's cores, where isolated); the report keeps record order. `seconds` (an earlier
+    run's, `seconds_of_report`) starts the slowest records first, so the longest ones do not start last.
     """
     only = list(only)
     seed = secrets.randbits(32) if seed is None else seed
@@ -59,11 +61,39 @@ def run_contract(only: Iterable[str] = (), seed: int | None = None, pm=None, dev
             return kernel
 
     if jobs > 1:  # each record's work is in its own child: the threads here only wait on their pipes
+        started = slowest_first(chosen, seconds or {})
         with ThreadPoolExecutor(jobs) as pool:
-            report.kernels = list(pool.map(one, chosen))
+            done = dict(zip(map(id, started), pool.map(one, started)))
+        report.kernels = [done[id(reg)] for reg in chosen]
     else:
         report.kernels = [one(reg) for reg in chosen]
     return report
+
+
+def slowest_first(chosen: list[Registered], seconds: dict[str, float]) -> list[Registered]:
+    """`chosen` in the order to start them: records `seconds` lacks first (a new one may be slow), then slowest first."""
+    def took(reg: Registered) -> float:
+        return seconds.get(reg.record.name if reg.record else "", float("inf"))
+
+    return sorted(chosen, key=took, reverse=True)
+
+
+def seconds_of_report(path: str) -> dict[str, float]:
+    """Each record's seconds in an earlier `--json` report: its slowest implementation's (they run side by side)."""
+    try:
+        with open(path) as f:
+            kernels = json.load(f)["kernels"]
+        return {k["name"]: max((i.get("seconds") or 0.0 for i in k["implementations"].values()), default=0.0)
+                for k in kernels}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise OrderFile(path, exc) from exc
+
+
+class OrderFile(OptionError):
+    """`--order-from` names a file that is not an earlier `--json` report (the CLI's one-line error, exit 2)."""
+
+    def __init__(self, path: str, exc: Exception):
+        super().__init__(f"--order-from {path}: not a contract --json report ({type(exc).__name__}: {exc})")
 
 
 class NoMatch(OptionError):

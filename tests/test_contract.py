@@ -267,7 +267,7 @@ def test_the_cli_exits_0_when_all_pass_1_when_something_failed_and_2_when_only_n
     import tensorfold_contract.cli as cli
 
     def fake_run(pm):
-        return lambda only=(), seed=None, progress=None, isolate=None, jobs=None: run_contract(
+        return lambda only=(), seed=None, progress=None, isolate=None, jobs=None, seconds=None: run_contract(
             only=only, seed=seed, pm=pm, progress=progress)
 
     out, err = io.StringIO(), io.StringIO()

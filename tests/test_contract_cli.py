@@ -201,3 +201,24 @@ def test_records_run_side_by_side_only_when_isolated():
     done = subprocess.run([sys.executable, "-m", "tensorfold_contract", "--jobs", "2", "--no-isolate"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "more than 1 only where records are isolated" in done.stderr
+
+
+def test_records_start_slowest_first_by_an_earlier_report_with_the_ones_it_lacks_before_them():
+    from types import SimpleNamespace
+
+    from tensorfold_contract.runner import slowest_first
+
+    regs = [SimpleNamespace(record=SimpleNamespace(name=n)) for n in ("quick", "new", "slow", "middling")]
+    started = slowest_first(regs, {"quick": 1.0, "slow": 150.0, "middling": 20.0})
+    assert [r.record.name for r in started] == ["new", "slow", "middling", "quick"]
+
+
+def test_an_order_from_an_earlier_report_changes_no_line_of_the_report_and_a_bad_one_is_a_flag_error(tmp_path):
+    earlier = crashy(tmp_path, "--jobs", "2", "--json")
+    (tmp_path / "earlier.json").write_text(earlier.stdout)
+    ordered = crashy(tmp_path, "--jobs", "2", "--order-from", str(tmp_path / "earlier.json"))
+    assert ordered.stdout == crashy(tmp_path, "--jobs", "2").stdout and ordered.returncode == 1
+    (tmp_path / "not-a-report.json").write_text('{"summary": {}}')
+    bad = crashy(tmp_path, "--jobs", "2", "--order-from", str(tmp_path / "not-a-report.json"))
+    assert bad.returncode == 2 and f"--order-from {tmp_path / 'not-a-report.json'}: not a contract --json report" \
+        in bad.stderr and not bad.stdout

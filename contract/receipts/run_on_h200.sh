@@ -8,6 +8,8 @@
 # needs pydantic and llguidance (carried as wheels, docs/gpu.md). TF_EXACT_ARGS passes flags on, e.g.
 # TF_EXACT_ARGS="--families llama,lfm2 --tokens 16". Writes $OUT/gpu_exact.json and $OUT/gpu_exact.txt.
 # TF_CONTRACT_ARGS passes flags on, e.g. TF_CONTRACT_ARGS="--seed 7 --only *gemv*" (globs with no spaces);
+# TF_CONTRACT_ORDER names an earlier --json report whose slowest records start first (default: the newest committed
+# contract/receipts/h200-*/contract*.json; empty for record order).
 # TF_COMMIT names the commit in env.txt (the device's copy has no .git: tools/device/stage.sh prints it).
 # On a GPU each record runs in a child process of its own (--isolate is the default there): a crash in MLX fails
 # the step it hit ("crashed (signal 11, SIGSEGV) in host() at gates.py:N") and the run and its JSON go on.
@@ -51,8 +53,10 @@ cat "$out/env.txt"
 rc=0
 if [ "$what" = contract ] || [ "$what" = all ]; then
   start=$(date +%s)
+  order=${TF_CONTRACT_ORDER-$(ls "$root"/contract/receipts/h200-*/contract*.json 2>/dev/null | sort | tail -1)}
   set -f  # TF_CONTRACT_ARGS may hold --only globs: they are for the contract, not for the shell
-  python3 -m tensorfold_contract --json ${TF_CONTRACT_ARGS:-} > "$out/contract.json" 2> "$out/contract.err"
+  python3 -m tensorfold_contract --json ${order:+--order-from $order} ${TF_CONTRACT_ARGS:-} > "$out/contract.json" \
+    2> "$out/contract.err"
   rc=$?
   set +f
   took=$(( $(date +%s) - start ))
