@@ -430,6 +430,9 @@ class GroupModel:
     def take_features(self, cache: GroupCache):
         return self.inner.take_features(cache.inner)
 
+    def tap_from(self, cache: GroupCache, position: int) -> None:
+        self.inner.tap_from(cache.inner, position)
+
     def embed(self, ids: mx.array) -> mx.array:
         return self.inner.embed(ids)
 

@@ -108,6 +108,10 @@ class TappedModel(Model, Protocol):
     def take_features(self, cache: Cache) -> TappedRows | None:
         """The tapped rows `cache` committed since the last take (None: none), handed over and dropped there."""
 
+    def tap_from(self, cache: Cache, position: int) -> None:
+        """Tap only `cache`'s windows that reach `position` or past it: the engine's bound on what the drafter can
+        absorb (a stream that never drafts, a prompt's rows a hold's catch-up would cut away)."""
+
     def embed(self, ids: mx.array) -> mx.array:
         """The model's input embedding of `ids` [n, hidden_size], in its activation dtype."""
 

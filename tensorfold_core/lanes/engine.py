@@ -11,7 +11,7 @@ import numpy as np
 from typing import cast
 
 from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
-                         HoldPricedDrafter, Model)
+                         HoldPricedDrafter, Model, TappedModel)
 from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
@@ -95,6 +95,20 @@ class Engine:
                 self.on_leave(stream, False)
             return
         self.streams[stream.id] = stream
+        self._bound_taps(stream)
+
+    def _bound_taps(self, stream: Stream) -> None:
+        """A tapped model keeps only rows the drafter may absorb: none of a stream that never drafts, and of a
+        drafting one's prompt its last `catch_up` rows on where the drafter bounds a hold's catch-up (a hold cuts
+        the earlier ones away; a prompt chunk then skips its last layer's rows that no one reads)."""
+        if self.drafter is None or getattr(self.model, "taps", 0) <= 0:
+            return
+        catch_up = self.drafter.facts.catch_up
+        if not (stream.request.draft and self.shared_rounds):
+            first = stream.limit
+        else:
+            first = max(0, stream.prompt_len - catch_up) if catch_up else 0
+        cast(TappedModel, self.model).tap_from(stream.cache, first)
 
     def cancel(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
@@ -160,6 +174,7 @@ class Engine:
         if usable > 0:
             stream.cache = self.model.restore(state, stream.cache.capacity, usable, marks=self.prefill_chunk)
             stream.cached_tokens = usable
+            self._bound_taps(stream)
         return True
 
     def _propose(self, turns: list[Turn]) -> None:

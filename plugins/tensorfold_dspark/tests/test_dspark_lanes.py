@@ -129,6 +129,25 @@ def test_prompt_rows_are_absorbed_before_the_chain_and_a_rounds_verified_rows_by
     drafter.release(11)
 
 
+def test_the_engine_taps_a_drafting_streams_prompt_from_its_catch_up_bound_and_a_plain_stream_not_at_all(
+        target, drafter, monkeypatch):
+    monkeypatch.setattr(drafter, "facts", dataclasses.replace(drafter.facts, catch_up=6))
+    run = drafted_run(target, drafter, 2)
+    run.submit(0, GenerationRequest(prompt_ids=PROMPT, max_tokens=6))
+    run.submit(1, GenerationRequest(prompt_ids=PROMPT, max_tokens=6, draft=False))
+    run.admit()
+    drafting, plain = (run.engine.streams[sid].cache for sid in (0, 1))
+    assert (drafting.taps_from, plain.taps_from) == (len(PROMPT) - 6, len(PROMPT) + 6)
+    run.finish()
+    assert run.tokens(0) == run.tokens(1)  # what a drafter reads never changes a reply
+    monkeypatch.setattr(drafter, "facts", dataclasses.replace(drafter.facts, catch_up=0))
+    unbounded = drafted_run(target, drafter, 1)
+    unbounded.submit(2, GenerationRequest(prompt_ids=PROMPT, max_tokens=2))
+    unbounded.admit()
+    assert unbounded.engine.streams[2].cache.taps_from == 0
+    unbounded.finish()
+
+
 def test_a_probe_absorbs_only_its_bound_of_rows_and_still_drafts(target, drafter):
     drafter.shed_kept()  # no kept lane to start from
     cache = committed_cache(target, PROMPT)

@@ -76,6 +76,7 @@ class HybridCache:
         self.asked: set[int] = set()  # token counts to keep conv tails at, besides every `marks`
         self.tapped: mx.array | None = None  # the last window's tapped rows, while the model taps layers
         self.staged: list[mx.array] = []  # tapped rows committed and not yet taken, from position `staged_from`
+        self.taps_from = 0  # a window ending at or before this position is not tapped (Model.tap_from)
         self.staged_from = 0
 
     def mark(self, tokens: int) -> None:

@@ -302,9 +302,12 @@ class Model(nn.Module):
             h = layer(h, spans, slot)
             if i in self._tapped:
                 outputs[i] = h
-        if self._tapped:  # the rows stay lazy: a row's taps are computed only if its cache commits it
+        # the rows stay lazy: a row's taps are computed only if its cache commits it; a forward no window of which
+        # is tapped never asks for them, so a prompt chunk needs its last layer only for the rows it keeps
+        tapping = [(start, n, cache) for start, n, cache, _ in spans if cache.offset + n > cache.taps_from]
+        if self._tapped and tapping:
             tapped = tapped_rows(outputs, self._tapped)
-            for start, n, cache, _ in spans:
+            for start, n, cache in tapping:
                 cache.tapped = tapped[start:start + n]
         close_windows(spans, commit)
         return picked_logits(h, pick, self.model.embedding_norm, self._head(), self.vocab_size)
@@ -331,6 +334,9 @@ class Model(nn.Module):
 
     def take_features(self, cache: HybridCache) -> TappedRows | None:
         return cache.take_taps()
+
+    def tap_from(self, cache: HybridCache, position: int) -> None:
+        cache.taps_from = position
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)

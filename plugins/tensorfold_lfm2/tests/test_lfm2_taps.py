@@ -88,3 +88,21 @@ def test_a_kept_state_holds_no_tapped_rows_and_a_restored_cache_stages_from_wher
     assert taken.start == 8 and taken.rows.shape[0] == 6
     fresh = model.take_features(committed(model, [(PROMPT[:14], 14)]))
     assert mx.array_equal(taken.rows, fresh.rows[8:])
+
+
+def test_windows_ending_before_the_tap_bound_keep_no_rows_and_the_rest_keep_the_rows_a_whole_tap_keeps(model):
+    model.features([1, model.taps - 1])
+    whole = model.take_features(committed(model, [(PROMPT, len(PROMPT))]))
+    cache = model.new_cache(64)
+    model.tap_from(cache, 9)  # windows [0, 4) and [4, 8) end before it; [8, 12) reaches it
+    for start in range(0, len(PROMPT), 4):
+        window = PROMPT[start:start + 4]
+        model.forward([cache], [window], [0])
+        model.keep(cache, len(window))
+    bounded = model.take_features(cache)
+    assert bounded.start == 8 and mx.array_equal(bounded.rows, whole.rows[8:])
+    never = model.new_cache(64)
+    model.tap_from(never, 64)
+    model.forward([never], [PROMPT], [1])
+    model.keep(never, len(PROMPT))
+    assert model.take_features(never) is None
