@@ -97,19 +97,20 @@ class LookaheadModel(Model, Protocol):
 @runtime_checkable
 class TappedModel(Model, Protocol):
     """A model whose `taps` > 0: it hands a drafter (DSpark) the rows of the layers it names, and binds the drafter
-    to its own embedding and head. A drafter checks `taps` first; core never calls these."""
+    to its own embedding and head. A drafter checks `taps` first; core calls `tap_from` alone."""
 
     hidden_size: int  # width of an embedded id, a head input, and each tapped layer's part of a row
 
     def features(self, layers: Sequence[int]) -> None:
         """From now on keep the post-layer residual rows of `layers` (ids below `taps`) for every row a cache
-        commits, prompt chunks and verified rows alike, until `take_features` hands them over; `[]` stops."""
+        commits (from its `tap_from` bound on), prompt chunks and verified rows alike, until `take_features` hands
+        them over; `[]` stops."""
 
     def take_features(self, cache: Cache) -> TappedRows | None:
         """The tapped rows `cache` committed since the last take (None: none), handed over and dropped there."""
 
     def tap_from(self, cache: Cache, position: int) -> None:
-        """Tap only `cache`'s windows that reach `position` or past it: the engine's bound on what the drafter can
+        """Tap only `cache`'s windows holding a row at `position` or later: the engine's bound on what a drafter can
         absorb (a stream that never drafts, a prompt's rows a hold's catch-up would cut away)."""
 
     def embed(self, ids: mx.array) -> mx.array:
