@@ -304,8 +304,9 @@ class Model(nn.Module):
                 outputs[i] = h
         # the rows stay lazy: a row's taps are computed only if its cache commits it; a forward no window of which
         # is tapped never asks for them, so a prompt chunk needs its last layer only for the rows it keeps
-        tapping = [(start, n, cache) for start, n, cache, _ in spans if cache.offset + n > cache.taps_from]
-        if self._tapped and tapping:
+        tapping = [(start, n, cache) for start, n, cache, _ in spans
+                   if cache.offset + n > cache.taps_from] if self._tapped else []
+        if tapping:
             tapped = tapped_rows(outputs, self._tapped)
             for start, n, cache in tapping:
                 cache.tapped = tapped[start:start + n]
