@@ -10,8 +10,8 @@
 # --streams 4,8 adds cells of that many replies decoded at once on one engine (shared rounds where the probe passes),
 # plain, drafted and served: aggregate tok/s over the cell's wall time, prefill included, each reply's ids checked
 # against the same prompt decoded alone and plain. A drafted round's mean wall ms is printed beside the drafter's
-# share of it (its `propose`, which reads the drafts back, so its chain's device time is in it): where a drafted
-# round's time goes.
+# share of it (its `propose`: where it reads the drafts back, mode `:read-back`, its chain's device time is in it;
+# held on the device, a GPU's default, only building and launching the chain): where a drafted round's time goes.
 # "Drafted" windows carry --depth drafter drafts each, unpriced, copies off (check mode); "served" is the engine as a
 # server runs it (timed: depths priced by measured costs, the guards, copy drafts on), one engine for every prompt so
 # what it learned on the untimed pass carries over as on a server that has run a while; "drafter rounds" counts its
@@ -64,7 +64,7 @@ def child(args) -> dict:
     proposing = {"s": 0.0, "calls": 0}
     propose = drafter.propose
 
-    def timed_propose(asks):  # the drafter's share of a round: it reads its drafts back, so its device time is in it
+    def timed_propose(asks):  # the drafter's share of a round (its device time too where it reads drafts back)
         start = time.perf_counter()
         try:
             return propose(asks)

@@ -235,9 +235,10 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     TENSORFOLD_SWIGLU_IN=down, `:stack-builtin` stacks the layers' new keys and values with MLX's ops,
     TENSORFOLD_STACK_KV=0, `:commented` builds the kernels' text with its comments, TENSORFOLD_KERNEL_COMMENTS=1,
     `:all-inputs` launches the streams attention with all 8 cache slots and stack kv with all 32 layers' inputs,
-    TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a DSpark drafter's drafts on the device for the verify,
-    TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to the host first, =0, `:norms-apart`
-    launches a layer's norms apart from the q|k|v and gate|up launches that read them, TENSORFOLD_NORM_IN=0,
+    TENSORFOLD_NARROW_INPUTS=0, `:held` keeps a drafter's drafts (DSpark's holds, the llama drafter's chains) on
+    the device for the verify, TENSORFOLD_HELD_ON_TARGET=1 (a GPU's default), `:read-back` reads them to the host
+    first, =0, `:norms-apart` launches a layer's norms apart from the q|k|v and gate|up launches that read them,
+    TENSORFOLD_NORM_IN=0,
     `:small-inputs` leaves a kernel's inputs of 8 bytes or less in MLX's shared small pool, TENSORFOLD_PAD_INPUTS=0,
     `:parts-compiled` calls each layer's compiled parts and its attention from Python instead of the whole forward's
     one compiled call, TENSORFOLD_WHOLE_FORWARD=0, `:rows-read` reads a greedy round's logits rows and draws on the

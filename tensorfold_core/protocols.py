@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
+
+from .errors import DrafterError
 
 
 @runtime_checkable
@@ -148,6 +151,20 @@ class HeldDrafts:
 
     def read(self) -> list[int]:
         return self._read()
+
+
+# drafts held on the device for the verify (`DrafterFacts.held_on_target`): 1 on, 0 off, unset on a GPU only
+HELD_ENV = "TENSORFOLD_HELD_ON_TARGET"
+
+
+def held_on_target_wanted() -> bool:
+    """Drafts kept on the device for the verify: by default on a GPU (one host wait a drafted round fewer), not on the
+    CPU, where the hold and the verify share the cores either way; TENSORFOLD_HELD_ON_TARGET=1 or 0 decides."""
+    chosen = os.environ.get(HELD_ENV, "")
+    if chosen not in ("", "0", "1"):
+        raise DrafterError(f"{HELD_ENV}={chosen!r}: set it to 1 (drafts held on the device), 0 (read back) or unset "
+                           "(held on a GPU)")
+    return chosen == "1" if chosen else mx.default_device().type == mx.DeviceType.gpu
 
 
 MAX_DRAFT_DEPTH = 15  # the most drafts a window carries: 16 verify rows, the widest window the kernels serve

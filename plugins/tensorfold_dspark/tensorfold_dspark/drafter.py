@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import time
 import traceback
 from typing import Sequence, cast
@@ -16,7 +15,7 @@ from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
 from tensorfold_core.protocols import (DEPTH_RULE, Cache, DraftAsk, DrafterFacts, HeldDrafts, Model as TargetModel,
-                                       TappedModel)
+                                       TappedModel, held_on_target_wanted)
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
 
@@ -32,18 +31,6 @@ SLACK = 1  # drafts a hold adds past a full grant, and a probe's hold after a gr
 # every layer's k/v as 8-bit matmuls: a 1,800-token prompt took 0.8 s on the fast CPU configuration, 50 plain rounds)
 HOLD_CATCH_UP = 256
 TIMING_REPEATS = 3  # each warm-up hold pass is timed this many times and its best kept (a preempted one reads long)
-# holds launched and not waited on, their drafts read by the verify on the device: 1 on, 0 off, unset on a GPU only
-HELD_ENV = "TENSORFOLD_HELD_ON_TARGET"
-
-
-def held_on_target_wanted() -> bool:
-    """Drafts kept on the device for the verify: by default on a GPU (one host wait a drafted round fewer), not on the
-    CPU, where the hold and the verify share the cores either way; TENSORFOLD_HELD_ON_TARGET=1 or 0 decides."""
-    chosen = os.environ.get(HELD_ENV, "")
-    if chosen not in ("", "0", "1"):
-        raise DrafterError(f"{HELD_ENV}={chosen!r}: set it to 1 (drafts held on the device), 0 (read back) or unset "
-                           "(held on a GPU)")
-    return chosen == "1" if chosen else mx.default_device().type == mx.DeviceType.gpu
 
 
 # ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----

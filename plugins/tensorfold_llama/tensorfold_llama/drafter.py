@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import traceback
@@ -12,7 +13,7 @@ import mlx.core as mx
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
-from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, Model as TargetModel
+from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, HeldDrafts, Model as TargetModel, held_on_target_wanted
 from tensorfold_core.quantized import unpack_many_rows
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions, LoadOptions
@@ -74,7 +75,7 @@ def admit(target: TargetModel, drafter_ckpt: Checkpoint, bits: int | None = None
 class Slot:
     """One stream's drafter cache and the tokens it was fed (context, then the drafts fed back)."""
 
-    __slots__ = ("cache", "tokens", "skipped", "cut", "whole")
+    __slots__ = ("cache", "tokens", "skipped", "cut", "whole", "unread")
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -84,8 +85,10 @@ class Slot:
         self.skipped = 0
         self.cut = 0
         self.whole = 0  # leading tokens equal to the context's own prefix (before any cut)
+        self.unread: object | None = None  # a held chain fed to the cache whose drafts the host has not read yet
 
     def trim(self, tokens: int) -> None:
+        self.unread = None  # a held chain read after this cannot say which rows it fed
         self.cache.trim(tokens)
         del self.tokens[tokens:]
         self.whole = min(self.whole, tokens)
@@ -118,10 +121,11 @@ class LlamaDrafter:
     """A `Drafter`: greedy chains of a small llama, batched over every asking stream, evaluated once a call."""
 
     name = "llama"
-    facts = DEPTH_RULE  # no chances: the core's depth rule prices its drafts
 
     def __init__(self, model: Model, *, vocab_limit: int, eos_ids: frozenset[int], options: DrafterOptions,
                  source: str = ""):
+        # no chances: the core's depth rule prices its drafts; on a GPU its chains stay on the device for the verify
+        self.facts = dataclasses.replace(DEPTH_RULE, held_on_target=held_on_target_wanted())
         self.model = model
         self.vocab_limit = min(vocab_limit, model.vocab_size)  # padded drafter rows are never valid target ids
         self.eos_ids = eos_ids
@@ -193,24 +197,53 @@ class LlamaDrafter:
         self._count(rows)
         return rows
 
-    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]]:
-        """Each ask's greedy chain: slots synced to the context by their common prefix, then one lazy graph."""
+    def propose(self, asks: Sequence[DraftAsk]) -> list[list[int]] | list[HeldDrafts]:
+        """Each ask's greedy chain: slots synced to the context by their common prefix, then one lazy graph; held on
+        the device (`HeldDrafts`, no wait) where the facts say held_on_target, else read back, cut after an eos."""
         self.stats["proposals"] += 1
-        drafts: list[list[int]] = [[] for _ in asks]
+        drafts: list = [[] for _ in asks]
         work = self._sync(asks)
         if not work:
             return drafts
         work.sort(key=lambda w: -w[3])  # deepest first: each step's streams are a prefix of the last step's
         try:
             steps = self._chain([w[1].cache for w in work], [w[2] for w in work], [w[3] for w in work])
+            if not self.facts.held_on_target:
+                mx.eval(steps, [w[1].cache.keys + w[1].cache.values for w in work])  # no graph outlives the call
         except Exception:
             self._drop([(slot, rows) for _, slot, rows, _ in work])
             raise
+        if self.facts.held_on_target:
+            return self._held(drafts, work, steps)
+        steps = [s.tolist() for s in steps]
         for j, (i, slot, rows, depth) in enumerate(work):
             chain = [steps[s][j] for s in range(depth)]
             slot.fed(rows + chain[:-1])  # the last draft was never fed back
             cut = next((k + 1 for k, t in enumerate(chain) if t in self.eos_ids), depth)
             drafts[i] = chain[:cut]
+        return drafts
+
+    def _held(self, drafts: list, work: list, steps: list[mx.array]) -> list:
+        """Each chain as `HeldDrafts`: the verify reads it on the device. A slot is told its fed drafts when the host
+        reads them, unless it was trimmed since (the next sync then trims the rows it was not told of); an eos cuts
+        nothing (such drafts are verified and rejected)."""
+        read: list = []
+
+        def settle() -> list[list[int]]:
+            if not read:
+                read.append([s.tolist() for s in steps])
+                for j, (_, slot, _, depth) in enumerate(work):
+                    if slot.unread is read_marks[j]:
+                        slot.fed([read[0][s][j] for s in range(depth - 1)])
+            return read[0]
+
+        read_marks = []
+        for j, (i, slot, rows, depth) in enumerate(work):
+            slot.fed(rows)
+            slot.unread = object()
+            read_marks.append(slot.unread)
+            ids = mx.concatenate([steps[s][j:j + 1] for s in range(depth)])
+            drafts[i] = HeldDrafts(ids, lambda j=j, depth=depth: [settle()[s][j] for s in range(depth)])
         return drafts
 
     def _sync(self, asks: Sequence[DraftAsk]) -> list[tuple[int, Slot, list[int], int]]:
@@ -237,9 +270,9 @@ class LlamaDrafter:
         failed = {id(slot) for slot, _ in work}
         self.slots = {k: s for k, s in self.slots.items() if id(s) not in failed}
 
-    def _chain(self, caches: list[KVCache], feeds: list[list[int]], depths: list[int]) -> list[list[int]]:
-        """Run the first (ragged) windows, then one row per stream a step, each step queued as it is built; one wait
-        for the whole chain."""
+    def _chain(self, caches: list[KVCache], feeds: list[list[int]], depths: list[int]) -> list[mx.array]:
+        """Run the first (ragged) windows, then one row per stream a step, each step queued as it is built: each
+        step's picks, lazy (the caller waits once for the whole chain, or lets the verify read it)."""
         model, limit = self.model, self.vocab_limit
         ids = mx.array([t for feed in feeds for t in feed], dtype=mx.uint32)
         logits = model.forward_ids(caches, ids, [len(f) for f in feeds], [1] * len(feeds), commit=True)
@@ -256,8 +289,8 @@ class LlamaDrafter:
             token = mx.argmax(logits[:, :limit], axis=-1)
             mx.async_eval(token)
             steps.append(token)
-        mx.eval(steps, [c.keys + c.values for c in caches])  # the caches too, so no graph outlives the call
-        return [s.tolist() for s in steps]
+        mx.async_eval(steps, [c.keys + c.values for c in caches])  # the caches too, so no graph outlives the chain
+        return steps
 
     def _count(self, rows: int) -> None:
         self.stats["forwards"] += 1
