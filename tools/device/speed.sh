@@ -6,7 +6,8 @@
 #             PAIR_MODES (default builtin,table; e.g. table-attention leaves attention to MLX, to attribute time);
 #             PAIR_STREAMS=4,8 adds cells of that many replies at once, plain, drafted and served; PAIR_ARGS passes
 #             more flags on (e.g. --mlx-lm: mlx-lm generate on the target too, its wheel carried in .whl/;
-#             --rounds 3: every mode run three times, interleaved, rates the medians)
+#             --rounds 3: every mode run three times, interleaved, rates the medians); DRAFTER_PRESET=0.07b drafts
+#             with the drafter's own 4 layers instead of 0.1b's 8 (4 of them identity)
 #   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
 #             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
 #             builtin,table,table-attention; bench/bench_token_time.py)
@@ -53,7 +54,7 @@ for what in "${@:-bench pair exact contract affine}"; do
       bench) OUT=$receipt step bench "${CAP_BENCH:-80}" bash contract/receipts/run_on_h200.sh bench ;;
       pair)
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
-          && python3 tools/zoo/inflate.py --preset 0.1b --out /tmp/d01 --no-check > /dev/null \
+          && python3 tools/zoo/inflate.py --preset ${DRAFTER_PRESET:-0.1b} --out /tmp/d01 --no-check > /dev/null \
           && python3 bench/bench_gpu_pair.py /tmp/b1 /tmp/d01 --modes '${PAIR_MODES:-builtin,table}' \
           ${PAIR_STREAMS:+--streams $PAIR_STREAMS} ${PAIR_ARGS:-} --json $receipt/pair.json" \
           step pair "${CAP_PAIR:-110}" bash contract/receipts/run_on_h200.sh exec

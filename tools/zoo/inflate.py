@@ -71,6 +71,8 @@ PRESETS = {
     "1b": Preset("tiny-llama", Shape(2048, 16, 8192, 16, 4, 128), "Llama 3.2 1B's projection shapes"),
     "3b": Preset("tiny-llama", Shape(4096, 12, 14336, 32, 8, 128), "Llama 3 8B's projection shapes, 12 layers"),
     "0.1b": Preset("tiny-llama-drafter", Shape(1024, 8, 4096, 8, 2, 128), "a drafter for either target preset"),
+    # no identity layers: on a GPU each layer of a chain step costs the host its launches
+    "0.07b": Preset("tiny-llama-drafter", Shape(1024, 4, 4096, 8, 2, 128), "0.1b's widths, the 4 trained layers"),
 }
 
 
