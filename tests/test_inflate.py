@@ -93,6 +93,15 @@ def test_the_plan_copies_the_hidden_vector_only_where_a_power_of_four_cannot_cov
         assert plan.copies * 4 ** plan.norm_shift * 256 == hidden
 
 
+@pytest.mark.parametrize("name", sorted(inflate.PRESETS))
+def test_every_preset_is_a_shape_the_exact_rule_reaches_from_its_zoo_model(name):
+    preset = inflate.PRESETS[name]
+    source = Shape.of(json.loads((inflate.resolve(preset.model) / "config.json").read_text()))
+    plan = make_plan(source, preset.shape)
+    assert plan.copies * 4 ** plan.norm_shift * source.hidden == preset.shape.hidden
+    assert preset.shape.layers >= source.layers  # the trained layers all kept; extra ones are identity
+
+
 def test_query_heads_keep_their_kv_head_when_groups_get_narrower():
     plan = make_plan(Shape(256, 8, 640, 8, 2, 32), Shape(256, 8, 640, 12, 4, 32))
     kv_of = plan.query_heads() // (12 // 4)
