@@ -31,13 +31,18 @@ class Cell:
     what: str
     flags: tuple[str, ...]
     draft: bool
+    env: tuple[tuple[str, str], ...] = ()
 
 
 CELLS = [
     Cell("plain", "`--drafter none`, requests `\"draft\": false` (the reference)", ("--drafter", "none"), False),
     Cell("copy", "`--drafter none`, requests drafted (copy drafts only)", ("--drafter", "none"), True),
     Cell("dspark", f"`--drafter {DRAFTER}`, requests drafted (DSpark and copy drafts)", ("--drafter", DRAFTER), True),
+    # not run unless named (--cells): the drafter's 8-bit codes read in place on the CPU, as before they were unpacked
+    Cell("dspark-codes", "as dspark, the drafter's codes read in place (`TENSORFOLD_UNPACK_ONCE=0`)",
+         ("--drafter", DRAFTER), True, (("TENSORFOLD_UNPACK_ONCE", "0"),)),
 ]
+DEFAULT_CELLS = "plain,copy,dspark"
 BASELINE = "plain"
 
 
@@ -59,7 +64,7 @@ def workload(args) -> list[list[int]]:
 def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
     """A fresh server; every prompt once, `streams` at a time; the replies and the decode rate."""
     flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags, *args.serve_flags.split()]
-    with server(TARGET, *flags, env=blas_env(args.blas)) as url:
+    with server(TARGET, *flags, env={**blas_env(args.blas), **dict(cell.env)}) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
         send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=TARGET, **sampling(args, i))
         complete(client, tokenize([WARM_UP], TARGET)[0], 8, draft=cell.draft, model=TARGET)
@@ -96,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blas", default="openblas-nehalem", help="bundled, openblas, openblas-CORE")
     parser.add_argument("--serve-flags", default="", help="more flags for every cell's server, e.g. "
                         "'--prompt-cache-gib 0' (no kept prompt states, so no Recall copies)")
+    parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma list of {', '.join(c.name for c in CELLS)}; "
+                        f"{BASELINE} always runs")
     args = parser.parse_args(argv)
+    known = {c.name: c for c in CELLS}
+    unknown = [name for name in args.cells.split(",") if name not in known]
+    if unknown:
+        parser.error(f"--cells: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    cells = [c for c in CELLS if c.name == BASELINE or c.name in args.cells.split(",")]
     prompts = workload(args)
     levels = [int(s) for s in args.streams.split(",")]
     print("\n".join(platform_lines(args.blas)))
@@ -105,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} prompts ({how}), {args.tokens} tokens each; "
           f"{args.reps} reps; a fresh server per cell, cells in a rotated order"
           + (f"; every server with {args.serve_flags}" if args.serve_flags else ""))
-    runs = {(c.name, n): [] for c in CELLS for n in levels}
+    runs = {(c.name, n): [] for c in cells for n in levels}
     for rep in range(args.reps):
         for n in levels:
-            shift = rep % len(CELLS)
-            for c in CELLS[shift:] + CELLS[:shift]:
+            shift = rep % len(cells)
+            for c in cells[shift:] + cells[:shift]:
                 started = time.perf_counter()
                 runs[c.name, n].append(run_cell(c, n, prompts, args))
                 print(f"rep {rep + 1} {c.name} x{n}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, failures = [], []
     for n in levels:
         base = [r["rate"] for r in runs[BASELINE, n]]
-        for c in CELLS:
+        for c in cells:
             try:  # every rep's every reply against the first plain run's, before any speed is quoted
                 for rep, run in enumerate(runs[c.name, n]):
                     for i, reply in enumerate(run["replies"]):
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(["cell", "streams", "token ids", "tok/s (median)", "range", f"vs {BASELINE}", "tokens/round",
                  "drafts kept"], rows))
-    print("\n".join(f"- {c.name}: {c.what}" for c in CELLS))
+    print("\n".join(f"- {c.name}: {c.what}" for c in cells))
     fail_if_any(failures)
     return 0
 

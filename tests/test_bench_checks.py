@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 _before = signal.getsignal(signal.SIGTERM)
 import bench_cache  # noqa: E402
+import bench_ceiling  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_family  # noqa: E402
 import bench_pricing  # noqa: E402
@@ -152,6 +153,40 @@ def test_the_gemv_bench_refuses_an_output_off_the_float64_reference():
         assert "ours, 3 rows: tiny: y row 2 off by" in bench.off_reference("ours", record, case, mx.array(doctored),
                                                                            reference)
         assert bench.off_reference("ours", record, case, mx.array(reference[:2].astype(np.float32)), reference)
+
+
+def test_the_ceiling_reads_expected_drafts_from_the_histogram_and_a_perfect_drafter_lands_its_whole_depth():
+    histogram = {"0": 2, "1": 1, "2": 1}  # P(>= 1) = 1/2, P(>= 2) = 1/4
+    assert bench_ceiling.expected_accepted(histogram, 1, 2) == 0.5
+    assert bench_ceiling.expected_accepted(histogram, 4, 2) == 0.75  # no block lands past its trained depth
+    rows = {1: 2.0, 2: 3.0, 3: 4.0}
+    best = bench_ceiling.ceilings(4.0, rows, [1, 2], lambda d: bench_ceiling.expected_accepted(histogram, d, 2),
+                                  lambda d: 1.0)
+    assert best["perfect"] == (3 * 4.0 / 6.0, 2)  # 3 tokens in the plain round plus 2 rows
+    assert best["shipped"] == (1.5 * 4.0 / 5.0, 1)
+    assert best["priced"] == (1.5 * 4.0 / 6.0, 1)
+
+
+def test_the_ceiling_refuses_a_window_whose_first_row_differs_from_its_one_row_forward(monkeypatch):
+    import mlx.core as mx
+
+    from tensorfold_core.loading import load_model
+
+    model, tokenizer = load_model("tiny-lfm2")[:2]
+    real = model.forward
+    # a planted defect: a wider window's logits moved by 1e-3
+    monkeypatch.setattr(model, "forward", lambda caches, windows, rows: real(caches, windows, rows) + (
+        mx.array(1e-3) if len(windows[0]) > 1 else mx.array(0.0)))
+    with pytest.raises(BenchMismatch, match="a 2-row window's first row differs"):
+        bench_ceiling.rows_ms(model, tokenizer, 1, [1, 2], reps=1)
+
+
+def test_the_ceiling_bench_runs_the_shipped_dspark_pair_to_exit_0():
+    done = subprocess.run([sys.executable, str(BENCH / "bench_ceiling.py"), "--blas", "bundled", "--streams", "1,2",
+                           "--depths", "1,2", "--reps", "1", "--tokens", "6"], capture_output=True, text=True,
+                          cwd=BENCH, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "perfect drafts, free holds" in done.stdout and re.search(r"\| 2 +\| [0-9.]+x at [12]", done.stdout)
 
 
 def test_bench_family_runs_the_shipped_tiny_model_to_exit_0():

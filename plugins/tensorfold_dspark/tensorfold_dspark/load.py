@@ -8,7 +8,7 @@ from mlx.utils import tree_unflatten
 
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError
-from tensorfold_core.quantized import unpack_many_rows
+from tensorfold_core.quantized import serve_codes
 from tensorfold_core.weights import check_tensors
 
 from .model import Model, ModelArgs
@@ -77,5 +77,5 @@ def load(ckpt: Checkpoint, dtype: mx.Dtype) -> Model:
         del weight, module
     model.update(tree_unflatten([(name, w.astype(dtype)) for name, w in weights.items()]))
     mx.eval(model.parameters())
-    unpack_many_rows(model)  # on CUDA, calls of many rows unpack the codes (tensorfold_core.quantized says why)
+    serve_codes(model)  # unpacked once on the CPU, for calls of many rows on CUDA (tensorfold_core.quantized)
     return model

@@ -14,7 +14,7 @@ from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, HeldDrafts, Model as TargetModel, held_on_target_wanted
-from tensorfold_core.quantized import unpack_many_rows
+from tensorfold_core.quantized import serve_codes
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions, LoadOptions
 
@@ -353,7 +353,7 @@ def start(target: TargetModel, drafter_ckpt: Checkpoint, options: DrafterOptions
     # verifies every draft, so the drafter needs no row invariance, and the table is chosen for its speed alone
     builtin = os.environ.get(DRAFTER_BUILTIN_ENV) == "1"
     model = load(drafter_ckpt, LoadOptions(dtype=options.dtype, builtin_kernels=builtin))
-    unpack_many_rows(model)  # a quantized drafter's modules left to MLX on CUDA unpack for many rows (quantized.py)
+    serve_codes(model)  # a quantized drafter's codes: unpacked once on the CPU, for many rows on CUDA (quantized.py)
     drafter = LlamaDrafter(model, vocab_limit=target.vocab_size, eos_ids=eos_ids, options=options,
                            source=str(drafter_ckpt.path))
     del model  # the drafter owns the weights from here: freeing it frees them
