@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import statistics
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -86,6 +89,11 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 class SwitchGLU(nn.Module):
+    # from this many rows every expert runs over every row and each row keeps its picks (None: never): the same
+    # products as one a (row, pick), bit for bit where the matmul is row-invariant, and where a matmul costs little a
+    # row (OpenBLAS) cheaper past a few rows; set at load on the CPU by `time_all_experts`, which checks both
+    all_experts_from: int | None = None
+
     def __init__(self, dim: int, hidden: int, experts: int):
         super().__init__()
         self.gate_proj = SwitchLinear(dim, hidden, experts)
@@ -93,10 +101,26 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(hidden, dim, experts)
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        if self.all_experts_from is not None and x.ndim == 2 and x.shape[0] >= self.all_experts_from:
+            return self.all_experts(x, experts)
+        return self.picked(x, experts)
+
+    def picked(self, x: mx.array, experts: mx.array) -> mx.array:
+        """Each (row, pick) its own product: [rows, k, dim]."""
         # rows are never sorted by expert (mlx-lm does, for speed): that would batch rows and break row invariance
         x = mx.expand_dims(x, (-2, -3))
         up, gate = self.up_proj(x, experts), self.gate_proj(x, experts)
         return self.down_proj(swiglu(gate, up), experts).squeeze(-2)
+
+    def all_experts(self, x: mx.array, experts: mx.array) -> mx.array:
+        """Every expert over every row ([rows, D] x [D, experts * hidden], then one product an expert), then each
+        row's picks in order: [rows, k, dim]."""
+        count, hidden, dims = self.gate_proj.weight.shape
+        rows = x.shape[0]
+        gate = (x @ self.gate_proj.weight.reshape(count * hidden, dims).T).reshape(rows, count, hidden)
+        up = (x @ self.up_proj.weight.reshape(count * hidden, dims).T).reshape(rows, count, hidden)
+        down = swiglu(gate, up).swapaxes(0, 1) @ self.down_proj.weight.swapaxes(-1, -2)  # [experts, rows, dim]
+        return mx.take_along_axis(down.swapaxes(0, 1), experts[..., None].astype(mx.uint32), axis=1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -123,6 +147,50 @@ class SparseMoeBlock(nn.Module):
         weights = (weights * self.routed_scaling_factor).astype(x.dtype)
         # both k-term sums run over the picks best first: a fixed order, so a row's rounding is fixed too
         return (self.switch_mlp(x, experts) * weights[..., None]).sum(axis=-2)
+
+
+ALL_EXPERTS_ENV = "TENSORFOLD_ALL_EXPERTS_FROM"  # N: every expert over every row from N rows; 0: never; unset: timed
+ALL_EXPERTS_ROWS = (4, 8, 16)  # the window sizes `time_all_experts` tries, fewest first
+TIMING_REPS = 5
+
+
+def time_all_experts(model: nn.Module) -> int | None:
+    """From how many rows the MoE blocks run every expert over every row (`SwitchGLU.all_experts_from`), on the CPU
+    with float32 experts only (MLX's gather_mm path): the knob's count, else the fewest of ALL_EXPERTS_ROWS from which
+    it times faster here than one product a pick, and at every larger one, both giving the same bits on random rows
+    at each (None: never). The load probe then checks the served windows as ever."""
+    glus = [layer.feed_forward.switch_mlp for layer in model.model.layers
+            if isinstance(layer.feed_forward, SparseMoeBlock)]
+    chosen = os.environ.get(ALL_EXPERTS_ENV, "")
+    if chosen and not chosen.isdigit():
+        raise CheckpointError(f"{ALL_EXPERTS_ENV}={chosen!r}: set it to a row count (0: never) or leave it unset")
+    if (not glus or not all(type(g.gate_proj) is SwitchLinear for g in glus) or mx.default_device() != mx.cpu
+            or glus[0].gate_proj.weight.dtype != mx.float32):
+        return None
+    rows = (int(chosen) or None) if chosen else _timed_rows(glus[0])
+    for glu in glus:
+        glu.all_experts_from = rows
+    return rows
+
+
+def _timed_rows(glu: SwitchGLU) -> int | None:
+    count, _, dims = glu.gate_proj.weight.shape
+    faster = []
+    for rows in ALL_EXPERTS_ROWS:
+        x = mx.random.normal((rows, dims), key=mx.random.key(rows))
+        experts = mx.random.randint(0, count, (rows, 2), key=mx.random.key(rows + 1)).astype(mx.uint32)
+        if not mx.array_equal(glu.picked(x, experts), glu.all_experts(x, experts)).item():
+            return None
+        times = {}
+        for way in (glu.picked, glu.all_experts):
+            spent = []
+            for _ in range(TIMING_REPS):
+                start = time.perf_counter()
+                mx.eval(way(x, experts))
+                spent.append(time.perf_counter() - start)
+            times[way.__name__] = statistics.median(spent)
+        faster.append(times["all_experts"] < times["picked"])
+    return next((rows for i, rows in enumerate(ALL_EXPERTS_ROWS) if all(faster[i:])), None)
 
 
 HF_DENSE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

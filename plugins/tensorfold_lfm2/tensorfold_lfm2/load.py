@@ -40,4 +40,6 @@ def load(ckpt: Checkpoint, options: LoadOptions = LoadOptions()) -> lfm2.Model:
         split(model, plan(model), *options.shard, source=str(ckpt.path))
     model.kernels = ({op: BUILTIN for op in OPS} if options.builtin_kernels
                      else serve_kernels(model, gather=options.shard is None))
+    if arch is lfm2_moe:  # MLX's experts (the CPU's): every expert over a wide window's rows where that is faster
+        lfm2_moe.time_all_experts(model)
     return model
