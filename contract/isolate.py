@@ -24,12 +24,14 @@ from . import devices, gates
 from .gates import GateResult
 from .registry import Registered, discover
 from .report import ControlResult, ImplResult, KernelResult
-from .steps import Step, finish_implementation, new_result, place, record_steps, run_step, step_name
+from .steps import PART, Step, finish_implementation, join_parts, new_result, place, record_steps, run_step, step_name
 
 
 def _step(value) -> Step:
-    """A step as it crossed the pipe: a JSON list [kind, control index or null]."""
-    return Step(str(value[0]), None if value[1] is None else int(value[1]))
+    """A step as it crossed the pipe: a JSON list [kind, control index or null, an implementation part's gates or
+    null]."""
+    part = value[2] if len(value) > 2 else None
+    return Step(str(value[0]), None if value[1] is None else int(value[1]), None if part is None else tuple(part))
 
 
 class _Child:
@@ -108,12 +110,15 @@ def _crashed(reg: Registered, step: Step, device: devices.Device, child: _Child,
         where = f" in gate {gate}" + (f" on {label}" if label else "") if child.at else ""
         return ControlResult(control.name, control.kind, control.gate, "missed", f"{why}{where}")
     results = dict(ran_gates)
-    while gate in results and gate < 4:  # it died between gates: blame the next
-        gate, label = gate + 1, None
+    order = [1, *(step.gates or (2, 3, 4))]  # the gates this step runs
+    while gate in results and gate in order[:-1]:  # it died between gates: blame the next
+        gate, label = order[order.index(gate) + 1], None
     text = f"{label}: {why}" if label else why
     results[gate] = GateResult(gate, "fail", text, failures=[(label, text)])
-    for later in range(gate + 1, 5):
+    for later in order[order.index(gate) + 1:] if gate in order else ():
         results.setdefault(later, GateResult(later, f"not run (crashed in gate {gate})"))
+    if step.gates is not None:  # a part: `join_parts` finishes the implementation
+        return ImplResult(step.kind, PART, results, [], 0.0)
     return finish_implementation(record, step.kind, device, results, 0.0)
 
 
@@ -127,24 +132,33 @@ def run_record_isolated(reg: Registered, index: int, device: devices.Device, see
         return result
     steps = record_steps(record)
     outcomes: dict = {}
-    lanes = lanes_of(steps, device.runs)
+    # on a GPU MLX compiles its own kernels a shape, most of them in gate 3's edge shapes: that gate runs beside
+    split = ("mlx",) if device.backend != "cpu" and record.edges else ()
+    lanes = lanes_of(steps, device.runs, split)
     with ThreadPoolExecutor(len(lanes)) as pool:  # the threads only wait on their children's pipes
         for done in pool.map(lambda lane: _run_lane(reg, index, device, seed, lane, progress), lanes):
             outcomes.update(done)
     for step in steps:
-        place(result, step, outcomes[step])
+        parts = [(s.gates, outcome) for s, outcome in outcomes.items()
+                 if s.gates is not None and step.control is None and s.kind == step.kind]
+        place(result, step, join_parts(record, step.kind, device, parts) if parts else outcomes[step])
     return result
 
 
-def lanes_of(steps: list[Step], runs: tuple[str, ...]) -> list[list[Step]]:
+def lanes_of(steps: list[Step], runs: tuple[str, ...], split: tuple[str, ...] = ()) -> list[list[Step]]:
     """A record's steps by the implementation they run (its controls with it), in record order; kinds this device
-    cannot run (they meet gate 5 alone) join the first lane."""
+    cannot run (they meet gate 5 alone) join the first lane. A `split` kind's gate 3 runs in a lane of its own, its
+    gates 2 and 4 (and controls) in the kind's lane."""
     # a record's slowest implementation sets its time (on CUDA, MLX's own quantized_matmul compiling a kernel a
     # shape), so the others run beside it rather than after it
-    lanes: dict[str, list[Step]] = {}
+    lanes: dict[tuple, list[Step]] = {}
     for step in steps:
         kind = step.kind if step.kind in runs else steps[0].kind
-        lanes.setdefault(kind, []).append(step)
+        if step.control is None and step.kind in split and step.kind in runs:
+            lanes.setdefault((kind,), []).append(Step(step.kind, None, (2, 4)))
+            lanes.setdefault((kind, 3), []).append(Step(step.kind, None, (3,)))
+        else:
+            lanes.setdefault((kind,), []).append(step)
     return list(lanes.values())
 
 

@@ -14,11 +14,16 @@ from .report import ControlResult, ImplResult, KernelResult
 OnGate = Callable[[int, GateResult], None]  # hears each gate of an implementation as it ends
 
 
+PART = "part"  # an implementation part's status until `join_parts` finishes the whole
+
+
 class Step(NamedTuple):
-    """One thing a record runs: its `kind` implementation, or the control at index `control` planted into it."""
+    """One thing a record runs: its `kind` implementation, or the control at index `control` planted into it; an
+    implementation's `gates` of 2-4 alone where it runs in parts side by side (gate 1 builds in each part)."""
 
     kind: str
     control: int | None = None
+    gates: tuple[int, ...] | None = None
 
 
 def record_steps(record: KernelRecord) -> list[Step]:
@@ -30,12 +35,15 @@ def record_steps(record: KernelRecord) -> list[Step]:
 
 def step_name(record: KernelRecord, step: Step) -> str:
     if step.control is None:
-        return f"{record.name} [{step.kind}]"
+        part = f" gate{'s' if len(step.gates) > 1 else ''} {', '.join(map(str, step.gates))}" if step.gates else ""
+        return f"{record.name} [{step.kind}]{part}"
     return f"{record.name} control {record.controls[step.control].name!r}"
 
 
 def run_step(record: KernelRecord, step: Step, device: devices.Device, inputs: gates.Inputs,
              on_gate: OnGate | None = None, on_shape: OnShape | None = None):
+    if step.control is None and step.gates is not None:
+        return run_part(record, step.kind, step.gates, device, inputs, on_gate, on_shape)
     if step.control is None:
         return run_implementation(record, step.kind, device, inputs, on_gate, on_shape)
     return run_control(record, step.control, device, inputs, on_shape)
@@ -137,6 +145,32 @@ def run_implementation(record: KernelRecord, kind: str, device: devices.Device, 
     else:
         results = {g: GateResult(g, device.reason_not_run(kind)) for g in (1, 2, 3, 4)}
     return finish_implementation(record, kind, device, results, time.perf_counter() - t0)
+
+
+def run_part(record: KernelRecord, kind: str, wanted: tuple[int, ...], device: devices.Device, inputs: gates.Inputs,
+             on_gate: OnGate | None = None, on_shape: OnShape | None = None) -> ImplResult:
+    """Gate 1 and the `wanted` gates of one implementation, unfinished (`join_parts` finishes the whole); the part
+    with gate 2 checks gate 5 too."""
+    impl = record.implementations[kind]
+    t0 = time.perf_counter()
+    results = _gates_1_to_4(record, kind, impl, device, inputs, wanted, every=True, on_gate=on_gate,
+                            on_shape=on_shape)
+    if 2 in wanted:
+        results[5] = gates.gate_limits(record, kind, impl, device)
+    return ImplResult(kind, PART, results, [], time.perf_counter() - t0)
+
+
+def join_parts(record: KernelRecord, kind: str, device: devices.Device,
+               parts: list[tuple[tuple[int, ...], ImplResult]]) -> ImplResult:
+    """One implementation from its parts, each `(gates, result)`: the gates of the part with gate 2 (gate 1 and 5
+    among them), each other part's own gates over them, then finished as a whole; its seconds the longest part's
+    (they ran side by side)."""
+    parts = sorted(parts, key=lambda part: 2 not in part[0])
+    results = dict(parts[0][1].gates)
+    for wanted, part in parts[1:]:
+        for gate in wanted:
+            results[gate] = part.gates.get(gate, GateResult(gate, "not run (its part never reached it)"))
+    return finish_implementation(record, kind, device, results, max(part.seconds for _, part in parts))
 
 
 def _excuse(record: KernelRecord, kind: str, result: GateResult, device: devices.Device) -> list[str]:

@@ -433,3 +433,37 @@ def test_isolated_lanes_put_each_implementation_this_device_runs_beside_the_othe
     assert lanes_of(steps, ("mlx", "cuda")) == [[Step("mlx"), Step("metal"), Step("mlx", 0), Step("metal", 2)],
                                                 [Step("cuda"), Step("cuda", 1), Step("cuda", 3)]]
     assert lanes_of(steps, ("mlx",)) == [steps]  # the CPU: one child walks the record in order, as before
+
+
+def test_on_a_gpu_a_split_kinds_gate_3_runs_in_a_lane_of_its_own_and_its_other_gates_keep_the_controls():
+    from tensorfold_contract.isolate import lanes_of
+    from tensorfold_contract.steps import Step
+
+    steps = [Step("mlx"), Step("cuda"), Step("mlx", 0), Step("cuda", 1)]
+    assert lanes_of(steps, ("mlx", "cuda"), split=("mlx",)) == [[Step("mlx", None, (2, 4)), Step("mlx", 0)],
+                                                                 [Step("mlx", None, (3,))],
+                                                                 [Step("cuda"), Step("cuda", 1)]]
+    assert lanes_of(steps, ("cuda",), split=("mlx",))[0][0] == Step("mlx")  # a kind not run here is never split
+
+
+def _parts(record, device):
+    from tensorfold_contract.steps import run_part
+
+    inputs = gates.Inputs(record, 3)
+    return [(wanted, run_part(record, "mlx", wanted, device, inputs)) for wanted in ((3,), (2, 4))]
+
+
+@pytest.mark.parametrize("impl", [_double, lambda case: _double(case) if case.rows else {"y": case.array("x")[:1]}],
+                         ids=["passing", "red in gate 3"])
+def test_an_implementation_joined_from_its_parts_reports_as_the_whole_run_in_one_piece(impl):
+    from tensorfold_contract.steps import join_parts, run_implementation
+
+    record, device = _toy(impl=impl), devices.current()
+    whole = run_implementation(record, "mlx", device, gates.Inputs(record, 3))
+    parts = _parts(record, device)
+    assert all(part.status == "part" for _, part in parts)
+    joined = join_parts(record, "mlx", device, parts)
+    assert joined.status == whole.status and joined.known == whole.known
+    assert {g: (r.status, r.detail) for g, r in joined.gates.items()} == \
+        {g: (r.status, r.detail) for g, r in whole.gates.items()}
+    assert joined.seconds == max(part.seconds for _, part in parts)

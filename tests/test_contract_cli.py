@@ -197,6 +197,35 @@ def test_isolated_records_run_side_by_side_and_report_as_one_at_a_time_does_with
     assert not [line for line in together.stderr.splitlines() if line.startswith("  … ")]  # not a terminal
 
 
+def test_isolated_on_a_gpu_a_crash_in_gate_3_fails_only_that_gate_its_part_ran_beside_gates_2_and_4(tmp_path):
+    crashy(tmp_path)  # installs the plugin
+    script = textwrap.dedent('''
+        import json
+        from tensorfold_contract import devices
+        from tensorfold_contract.isolate import run_record_isolated
+        from tensorfold_contract.registry import discover
+
+        found = discover()
+        index = next(i for i, r in enumerate(found) if r.record and r.record.name == "crashy double")
+        gpu = devices.Device("cuda", "a CUDA device (faked on the CPU)", "0.32.4", ("mlx",), None)
+        steps = []
+        result = run_record_isolated(found[index], index, gpu, 4, steps.append)
+        print(json.dumps({"mlx": result.implementations["mlx"].as_json(), "steps": steps,
+                          "controls": [c.status for c in result.controls]}))
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    gates = {g: r["status"] for g, r in report["mlx"]["gates"].items()}
+    # gate 4 ran in the other part (one piece, the crash left it "not run"); gate 5 checks sources only
+    assert report["mlx"]["status"] == "fail" and gates == {"1": "pass", "2": "pass", "3": "fail", "4": "pass",
+                                                           "5": "n/a"}
+    assert "crashed (signal 11, SIGSEGV) in double()" in report["mlx"]["gates"]["3"]["detail"]
+    assert {"crashy double [mlx] gates 2, 4", "crashy double [mlx] gate 3"} <= set(report["steps"])
+    assert report["controls"] == ["red", "missed", "red"]
+
+
 def test_records_run_side_by_side_only_when_isolated():
     done = subprocess.run([sys.executable, "-m", "tensorfold_contract", "--jobs", "2", "--no-isolate"],
                           capture_output=True, text=True)
