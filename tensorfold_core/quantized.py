@@ -79,7 +79,7 @@ def _packed(model: nn.Module) -> list[nn.Module]:
 
 def unpack_many_rows(model: nn.Module, unpack_from: int | None = None) -> int:
     """Make every affine QuantizedLinear and QuantizedEmbedding of `model` a Packed one that unpacks from
-    `unpack_from` rows (default: 8 on CUDA, never elsewhere); how many it changed. For models that run MLX's own ops
+    `unpack_from` rows (default: 8 on CUDA, never elsewhere); how many it set. For models that run MLX's own ops
     (drafters): the families' served projections run their kernel records on CUDA instead."""
     if unpack_from is None:
         unpack_from = UNPACK_FROM_ROWS_ON_CUDA if backend() == "cuda" else None
