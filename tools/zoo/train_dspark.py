@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dspark_torch import DSparkDrafter, DSparkSpec, write_checkpoint
+from dspark_torch import DSparkDrafter, DSparkSpec, read_checkpoint, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "plugins/tensorfold_lfm2/tensorfold_lfm2/models/tiny-lfm2-moe"
@@ -210,7 +210,13 @@ def main() -> None:
     ap.add_argument("--gamma", type=float, default=4.0, help="row j's weight is exp(-j / gamma)")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--log-every", type=int, default=200)
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this drafter dir (the published layout, e.g. the shipped one) instead of fresh "
+                    "weights: a longer run over several device calls, each with its own schedule")
+    ap.add_argument("--layers", type=int, default=DSparkSpec.num_hidden_layers, help="drafter layers (fresh weights)")
     args = ap.parse_args()
+    if args.init is not None and args.layers != DSparkSpec.num_hidden_layers:
+        ap.error("--layers shapes fresh weights; --init keeps its checkpoint's")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))  # the CPU run shares two cores: more threads only thrash
@@ -228,7 +234,8 @@ def main() -> None:
     log(f"torch {torch.__version__} transformers {transformers.__version__} device {device} "
         f"{torch.cuda.get_device_name() if device == 'cuda' else ''}")
     t0 = time.time()
-    spec = DSparkSpec()
+    start = read_checkpoint(args.init) if args.init is not None else None
+    spec = start.spec if start is not None else DSparkSpec(num_hidden_layers=args.layers)
     target = Target(args.target, spec.target_layer_ids, device)
     data = {s: torch.from_numpy(np.load(args.data / f"{s}.npy").astype(np.int64)).to(device)
             for s in ("train", "heldout")}
@@ -240,9 +247,12 @@ def main() -> None:
     log(f"generated {greedy.shape[0]} + {args.eval_seqs} held-out greedy sequences of {args.length} "
         f"in {time.time() - t0:.0f}s")
 
-    drafter = DSparkDrafter(spec).to(device)
-    with torch.no_grad():  # the final norm starts as the target's own, so the tied head reads rows at its scale
-        drafter.norm.weight.copy_(target.model.model.embedding_norm.weight.float())
+    drafter = (start if start is not None else DSparkDrafter(spec)).to(device)
+    if start is None:
+        with torch.no_grad():  # the final norm starts as the target's own, so the tied head reads rows at its scale
+            drafter.norm.weight.copy_(target.model.model.embedding_norm.weight.float())
+    else:
+        log(f"from {args.init}")
     decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
     rest = [p for n, p in drafter.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
@@ -284,7 +294,7 @@ def main() -> None:
             break
     train_s = time.time() - t_train
     drafter.eval()
-    metrics = {"name": NAME, "spec": spec.config(), "steps": step, "batch": args.batch, "length": args.length,
+    metrics = {"name": NAME, "spec": spec.config(), "init": str(args.init) if args.init else None, "steps": step, "batch": args.batch, "length": args.length,
                "anchors": args.anchors, "gen_seqs": args.gen_seqs, "gen_seqs_made": greedy.shape[0],
                "where": torch.cuda.get_device_name() if device == "cuda" else "this CPU", "lr": args.lr, "alpha": args.alpha,
                "gamma": args.gamma, "seed": args.seed, "train_s": round(train_s, 1), "loss_curve": curve,
