@@ -5,6 +5,7 @@ ledger's stream and slot bytes came back to 0; exits 1 when any of those fails. 
 polled beside /health, gives the latency the machine alone adds (a shared box's tail is mostly its own).
 
     python bench/soak.py --requests 1000 --concurrency 8
+    python bench/soak.py --model tiny-lfm2-moe --drafter tiny-lfm2-moe-dspark --requests 300
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--model", default=None, help="served model (default: the shipped default pair)")
+    parser.add_argument("--drafter", default=None, help="the server's --drafter (default: the model's own, if any)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args()
@@ -250,7 +252,8 @@ def main() -> int:
     port = free_port()
     log = tempfile.NamedTemporaryFile(mode="w+", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "tensorfold_core", "serve", *([args.model] if args.model else []), "--port",
-           str(port), "--parallel", "4", "--max-queued", "16", "--grace-s", "10", "--read-timeout-s", "5"]
+           str(port), "--parallel", "4", "--max-queued", "16", "--grace-s", "10", "--read-timeout-s", "5",
+           *(["--drafter", args.drafter] if args.drafter else [])]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
