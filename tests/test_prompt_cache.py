@@ -6,6 +6,7 @@ import pytest
 
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.memory.ledger import GIB
+from tensorfold_core.protocols import HELD_ENV
 from tensorfold_core.sampling import SamplingParams
 
 from test_memory import Driver, make_host, pair  # noqa: F401  (the pair fixture)
@@ -43,6 +44,22 @@ def test_a_conversations_next_turn_resumes_the_previous_prompt_and_reply(pair, s
     fresh, _ = serve(make_host(pair, GIB), next_turn, sampled)
     assert resumed == fresh
     assert cached >= len(PROMPT) + len(reply) - 1
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_with_the_drafters_chains_held_on_the_device_resumed_prompts_equal_fresh_ones(pair, sampled, monkeypatch):
+    monkeypatch.setenv(HELD_ENV, "1")  # a GPU's default: each chain read by the verify on the device
+    host = make_host(pair, GIB, prompt_cache_bytes=GIB // 8)
+    assert host.drafter.facts.held_on_target
+    fresh, _ = serve(make_host(pair, GIB), PROMPT, sampled)
+    first, _ = serve(host, PROMPT, sampled)
+    again, cached = serve(host, PROMPT, sampled)
+    assert first == again == fresh and cached == len(PROMPT) - 1
+    next_turn = PROMPT + first + [30, 31, 32, 33]
+    resumed, cached = serve(host, next_turn, sampled)
+    assert resumed == serve(make_host(pair, GIB), next_turn, sampled)[0]
+    assert cached >= len(PROMPT) + len(first) - 1
+    assert host.drafter.stats["proposals"] > 0  # chains were held and read, not only copies verified
 
 
 def test_the_least_recently_used_state_gives_way_first(pair):
