@@ -132,7 +132,7 @@ def run_record_isolated(reg: Registered, index: int, device: devices.Device, see
         return result
     steps = record_steps(record)
     outcomes: dict = {}
-    # on a GPU MLX compiles its own kernels a shape, most of them in gate 3's edge shapes: that gate runs beside
+    # on a GPU MLX compiles its own kernels a shape, most of them in gate 3's edge shapes: that gate gets a lane
     split = ("mlx",) if device.backend != "cpu" and record.edges else ()
     lanes = lanes_of(steps, device.runs, split)
     with ThreadPoolExecutor(len(lanes)) as pool:  # the threads only wait on their children's pipes

@@ -159,26 +159,26 @@ def time_all_experts(model: nn.Module) -> int | None:
     with float32 experts only (MLX's gather_mm path): the knob's count, else the fewest of ALL_EXPERTS_ROWS from which
     it times faster here than one product a pick, and at every larger one, both giving the same bits on random rows
     at each (None: never). The load probe then checks the served windows as ever."""
-    glus = [layer.feed_forward.switch_mlp for layer in model.model.layers
-            if isinstance(layer.feed_forward, SparseMoeBlock)]
+    blocks = [layer.feed_forward for layer in model.model.layers if isinstance(layer.feed_forward, SparseMoeBlock)]
+    glus = [block.switch_mlp for block in blocks]
     chosen = os.environ.get(ALL_EXPERTS_ENV, "")
     if chosen and not chosen.isdigit():
         raise CheckpointError(f"{ALL_EXPERTS_ENV}={chosen!r}: set it to a row count (0: never) or leave it unset")
     if (not glus or not all(type(g.gate_proj) is SwitchLinear for g in glus) or mx.default_device() != mx.cpu
             or glus[0].gate_proj.weight.dtype != mx.float32):
         return None
-    rows = (int(chosen) or None) if chosen else _timed_rows(glus[0])
+    rows = (int(chosen) or None) if chosen else _timed_rows(glus[0], blocks[0].top_k)
     for glu in glus:
         glu.all_experts_from = rows
     return rows
 
 
-def _timed_rows(glu: SwitchGLU) -> int | None:
+def _timed_rows(glu: SwitchGLU, top_k: int) -> int | None:
     count, _, dims = glu.gate_proj.weight.shape
     faster = []
     for rows in ALL_EXPERTS_ROWS:
         x = mx.random.normal((rows, dims), key=mx.random.key(rows))
-        experts = mx.random.randint(0, count, (rows, 2), key=mx.random.key(rows + 1)).astype(mx.uint32)
+        experts = mx.random.randint(0, count, (rows, top_k), key=mx.random.key(rows + 1)).astype(mx.uint32)
         if not mx.array_equal(glu.picked(x, experts), glu.all_experts(x, experts)).item():
             return None
         times = {}

@@ -70,7 +70,7 @@ def test_packed_or_bfloat16_experts_never_run_every_expert_whatever_the_knob_say
 def test_where_the_ways_part_the_load_never_runs_every_expert(moe_path, monkeypatch):
     model = loaded(moe_path, monkeypatch, "0")
     monkeypatch.setattr(lfm2_moe.SwitchGLU, "all_experts", lambda self, x, e: self.picked(x, e) + 1e-3)
-    assert lfm2_moe._timed_rows(glus(model)[0]) is None
+    assert lfm2_moe._timed_rows(glus(model)[0], 2) is None
 
 
 def requests() -> list[GenerationRequest]:
