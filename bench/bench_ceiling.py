@@ -1,7 +1,7 @@
 """How fast any drafter could make a target on this machine: a plain round's time against what each verify row adds."""
 
 # python bench/bench_ceiling.py [--target tiny-lfm2-moe] [--drafter tiny-lfm2-moe-dspark] [--streams 1,4,8]
-#                              [--depths 1,2,4,8,15] [--blas openblas-nehalem] [--acceptance tools/zoo/runs/...]
+#                              [--depths 1,2,3,4,6,8,15] [--blas openblas-nehalem] [--acceptance tools/zoo/runs/...]
 # In one process (the BLAS preloaded as bench_dspark's servers preload it):
 #   plain      the engine's own decode rounds, `"draft": false`, N streams sharing each round: ms a round
 #   rows       the bare forward + keep of N streams' windows of 1..16 rows each: what each verify row adds
