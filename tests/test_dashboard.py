@@ -35,16 +35,18 @@ def test_the_dashboard_shows_numbers_that_move_while_a_request_runs(served, brow
     page.goto(served.url + "/dashboard")
     page.wait_for_function("document.getElementById('rounds').textContent !== '-'")
     rounds_before = int(page.text_content("#rounds").replace(",", ""))
-    # a long streamed request, read until the page has shown it running and then dropped: on a loaded machine the
-    # page's polls may come seconds apart, and a short request could end between two of them
+    # streamed requests back to back until the page has shown one running: on a loaded machine the page's polls may
+    # come seconds apart, and the random test model's reply (all its tokens, its text held back while its bytes are
+    # not yet whole UTF-8) can end in a fraction of a second, between two polls
     body = {"prompt": "def add(a, b):\n", "max_tokens": 1900, "temperature": 0, "draft": False, "stream": True}
     seen = threading.Event()
 
     def stream() -> None:
-        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as response:
-            for _ in response.iter_lines():
-                if seen.is_set():
-                    break
+        while not seen.is_set():
+            with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as response:
+                for _ in response.iter_lines():
+                    if seen.is_set():
+                        break
 
     running = threading.Thread(target=stream)
     running.start()
