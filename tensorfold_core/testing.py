@@ -187,6 +187,21 @@ class Run:
         return next(e for e in self.events[sid] if isinstance(e, DoneEvent))
 
 
+def drive(model, drafter, requests, parallel, *, timed=True, each_round=None) -> list[list[int]]:
+    """Every request through one engine with `drafter`, `parallel` at a time, round after round (`each_round` hears
+    the engine after each); each reply's ids."""
+    run = Run(model, parallel)
+    run.engine = Engine(model, prefill_chunk=8, drafter=drafter, timed=timed)
+    for sid, request in enumerate(requests):
+        run.submit(sid, request)
+    while run.waiting or not run.engine.idle():
+        run.admit()
+        run.engine.round()
+        if each_round is not None:
+            each_round(run.engine)
+    return [run.tokens(sid) for sid in range(len(requests))]
+
+
 def serial(request: GenerationRequest) -> GenerationRequest:
     """The same request as the serial reference: one token a round, no drafts."""
     return dataclasses.replace(request, draft=False)

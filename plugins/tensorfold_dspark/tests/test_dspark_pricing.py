@@ -8,14 +8,13 @@ import textwrap
 
 import pytest
 
-from tensorfold_core.lanes.engine import Engine
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HoldCosts
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import DraftAsk
 from tensorfold_core.sampling import SamplingParams
-from tensorfold_core.testing import Run, serial
+from tensorfold_core.testing import drive, serial
 from tensorfold_dspark.drafter import HOLD_CATCH_UP, HOLD_ROWS
 
 NAME, TARGET = "tiny-lfm2-moe-dspark", "tiny-lfm2-moe"
@@ -37,20 +36,6 @@ def requests(target, seeded: bool, tokens: int = 40) -> list[GenerationRequest]:
     return [GenerationRequest(prompt_ids=target.tokenizer.encode(p), max_tokens=tokens,
                               sampling=SamplingParams(temperature=0.8, seed=11 + i) if seeded else SamplingParams())
             for i, p in enumerate(PROMPTS)]
-
-
-def drive(model, drafter, reqs, parallel, *, timed=True, each_round=None):
-    """Every request through one engine, `parallel` at a time, round after round; the replies' ids."""
-    run = Run(model, parallel)
-    run.engine = Engine(model, prefill_chunk=8, drafter=drafter, timed=timed)
-    for sid, request in enumerate(reqs):
-        run.submit(sid, request)
-    while run.waiting or not run.engine.idle():
-        run.admit()
-        run.engine.round()
-        if each_round is not None:
-            each_round(run.engine)
-    return [run.tokens(sid) for sid in range(len(reqs))]
 
 
 def plain_replies(target) -> dict:

@@ -10,12 +10,11 @@ import llguidance
 import pytest
 
 from tensorfold_core.lanes.constraints import Grammar
-from tensorfold_core.lanes.engine import Engine
 from tensorfold_core.lanes.types import GenerationRequest, SamplingParams
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import HELD_ENV, DraftAsk, HeldDrafts
-from tensorfold_core.testing import Run, serial
+from tensorfold_core.testing import drive, serial
 
 TARGET, NAME = "tiny-llama", "tiny-llama-drafter"
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -49,16 +48,6 @@ def requests(target, seeded: bool, tokens: int = 40) -> list[GenerationRequest]:
             for i, p in enumerate(PROMPTS)]
 
 
-def drive(model, drafter, reqs, parallel, *, timed=True) -> list[list[int]]:
-    """Every request through one engine, `parallel` at a time; each reply's ids."""
-    run = Run(model, parallel)
-    run.engine = Engine(model, prefill_chunk=8, drafter=drafter, timed=timed)
-    for sid, request in enumerate(reqs):
-        run.submit(sid, request)
-    run.finish()
-    return [run.tokens(sid) for sid in range(len(reqs))]
-
-
 @pytest.fixture(scope="module")
 def plain(pair):
     target = pair[0]
@@ -66,8 +55,8 @@ def plain(pair):
             for seeded in (False, True)}
 
 
-def counting_holds(drafter, monkeypatch) -> list[int]:
-    """Counts the HeldDrafts each propose call gives."""
+def counting_holds(drafter, monkeypatch) -> list[bool]:
+    """Whether each draft list a propose call gives is HeldDrafts."""
     held, propose = [], drafter.propose
     monkeypatch.setattr(drafter, "propose", lambda asks: (out := propose(asks),
                                                           held.extend(isinstance(d, HeldDrafts) for d in out))[0])
