@@ -13,10 +13,10 @@ from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import HELD_ENV, DraftAsk, HeldDrafts, held_on_target_wanted
-from tensorfold_core.testing import serial
+from tensorfold_core.testing import drive, serial
 from tensorfold_core.errors import DrafterError
 
-from test_dspark_pricing import NAME, TARGET, drive, plain_replies, requests
+from test_dspark_pricing import NAME, TARGET, plain_replies, requests
 
 
 @pytest.fixture(scope="module")
