@@ -82,7 +82,7 @@ for k in r["kernels"]:
 from tensorfold_contract.report import summary_line
 print(f"{summary_line(r['summary'])}  (seed {r['seed']}{', each record isolated' if r.get('isolated') else ''})")
 PY
-  echo "contract: exit $rc in $took s (python3 -m tensorfold_contract --json ${TF_CONTRACT_ARGS:-})" | tee -a "$out/contract.txt"
+  echo "contract: exit $rc in $took s (python3 -m tensorfold_contract --json ${order:+--order-from ${order#$root/} }${TF_CONTRACT_ARGS:-})" | tee -a "$out/contract.txt"
   tail -5 "$out/contract.err"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -5,6 +5,9 @@
 #   tools/device/stage.sh light   fetch the halves into .mlxa/ and .mlxb/ if missing, take the weights out of the
 #                                 upload, and print the run calls to make
 #   tools/device/stage.sh full    put the weights back (at once after the MLX calls: see below)
+#   tools/device/stage.sh weights the weights back, the receipts out instead (but the newest contract JSON, which
+#                                 run_on_h200.sh orders the contract by): the tree with every weight and every
+#                                 receipt passed the 64 MiB a call may send; `full` puts everything back
 #   tools/device/stage.sh sizes   what each call would upload now, in MiB
 #   tools/device/stage.sh head    .head/code.tar.gz: HEAD's code (no weights, compressed: the tree with the weights
 #                                 is ~61.5 of the 64 MiB); a call that carries .head and starts with
@@ -106,6 +109,17 @@ Then, back to back (the machine goes back 30 s after a call, and the first half 
   4. run(timeout_s=600, command="export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TF_COMMIT=$commit && bash contract/receipts/run_on_h200.sh contract")
 Each later call on the same warm machine starts with export PYTHONPATH=/tmp/site (MLX stays in /tmp/site).
 MSG
+    ;;
+  weights)
+    unstage
+    newest=$(git ls-files 'contract/receipts/h200-*/contract*.json' | sort | tail -1)
+    mapfile -t receipts < <(git ls-files contract/receipts | grep -vxF "$newest" | grep -v '\.sh$')
+    git ls-files -s -- "${receipts[@]}" > "$saved"
+    { echo "$begin"; printf '/%s\n' "${receipts[@]}"; echo "$end"; } >> "$exclude"
+    git_index rm -q --cached -- "${receipts[@]}"
+    [ -e "$hook" ] || guard
+    echo "The weights travel again; the receipts (but $newest) are out of the upload until stage.sh full."
+    sizes
     ;;
   full)
     unstage
