@@ -51,7 +51,7 @@ guard() {  # while the weights are out of git's index, a commit would delete the
 #!/usr/bin/env bash
 # tensorfold stage.sh guard
 if [ -f .git/tensorfold-stage-weights.index ]; then
-  echo "the shipped weights are out of git's index (tools/device/stage.sh light): a commit now would delete them;" >&2
+  echo "shipped weights or receipts are out of git's index (tools/device/stage.sh light or weights): a commit now would delete them;" >&2
   echo "run tools/device/stage.sh full first" >&2
   exit 1
 fi
@@ -89,7 +89,8 @@ case "${1:-}" in
       bash "$fetch" > /dev/null
     fi
     for d in /.mlxa/ /.mlxb/; do grep -qxF "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
-    commit=$(git rev-parse --short HEAD)$([ -f "$saved" ] || [ -z "$(git status --porcelain -uno)" ] || echo +dirty)
+    unstage  # after `weights` the saved entries are the receipts': put them back before taking the weights out
+    commit=$(git rev-parse --short HEAD)$([ -z "$(git status --porcelain -uno)" ] || echo +dirty)
     if [ ! -f "$saved" ]; then
       mapfile -t dirs < <(weights)
       git ls-files -s -- "${dirs[@]}" > "$saved"
@@ -105,7 +106,7 @@ Then, back to back (the machine goes back 30 s after a call, and the first half 
   1. run(kind="nvidia-h200", carry=[".mlxa"], timeout_s=120,
          command="mkdir -p /root/mlxw && cp .mlxa/part.aa /root/mlxw/ && nvidia-smi -L")
   2. run(carry=[".mlxb"], timeout_s=120, command="bash .mlxb/install.sh && echo MLX installed")
-  3. here: tools/device/stage.sh full     (the weights are back in git's index and in the upload)
+  3. here: tools/device/stage.sh weights  (the weights are back in git's index and in the upload, the receipts out)
   4. run(timeout_s=600, command="export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TF_COMMIT=$commit && bash contract/receipts/run_on_h200.sh contract")
 Each later call on the same warm machine starts with export PYTHONPATH=/tmp/site (MLX stays in /tmp/site).
 MSG
@@ -119,6 +120,7 @@ MSG
     git_index rm -q --cached -- "${receipts[@]}"
     [ -e "$hook" ] || guard
     echo "The weights travel again; the receipts (but $newest) are out of the upload until stage.sh full."
+    echo "Commits wait for stage.sh full (a commit now would delete the receipts)."
     sizes
     ;;
   full)
