@@ -53,17 +53,31 @@ def llama_config(**overrides):
     return LlamaConfig(**base)
 
 
+def seeded_weights(model, seed: int, std: float = 0.08, stds: dict[str, float] | None = None) -> None:
+    """Every matrix drawn from numpy's seeded generator, so a test model's bytes do not move with transformers' init
+    (a release that changed it once made the random llama repeat one token); vectors (norms, biases) stay as built.
+    The std is 4x transformers' usual 0.02: random init is too flat to tell tokens apart; `stds` by name suffix."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() < 2:
+                continue
+            scale = next((v for suffix, v in (stds or {}).items() if name.endswith(suffix)), std)
+            drawn = rng.standard_normal(tuple(param.shape), dtype=np.float32) * scale
+            param.copy_(torch.from_numpy(drawn).to(param.dtype))
+
+
 def tiny_llama_checkpoint(path: Path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
     """A random LlamaForCausalLM saved by transformers (safetensors), with a real tokenizer beside it."""
     import torch
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
     config = llama_config(**overrides)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    with torch.no_grad():  # random init is too flat to tell tokens apart: widen the logits
-        for param in model.parameters():
-            param.mul_(4.0 if param.dim() > 1 else 1.0)
+    model = LlamaForCausalLM(config)
+    seeded_weights(model, seed)
+    model = model.to(getattr(torch, dtype))
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, vocab_size=min(config.vocab_size, 384))

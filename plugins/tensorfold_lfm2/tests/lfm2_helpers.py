@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from tensorfold_core import testing
-from tensorfold_core.testing import edit_config, write_tokenizer
+from tensorfold_core.testing import edit_config, seeded_weights, write_tokenizer
 
 DRAFTS = [33, 260, 7, 140, 81, 2, 377, 64]
 
@@ -33,18 +35,16 @@ def tiny_lfm2_checkpoint(path: Path, moe: bool = False, seed: int = 0, dtype: st
     import torch
     from transformers import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 
-    torch.manual_seed(seed)
     config = lfm2_config(moe, **overrides)
     model = (Lfm2MoeForCausalLM if moe else Lfm2ForCausalLM)(config)
-    with torch.no_grad():  # random init is too flat to tell tokens apart: widen the logits
-        for name, param in model.named_parameters():
-            if name.endswith("feed_forward.gate.weight"):  # the router starts at zero: every expert would tie
-                param.copy_(torch.randn_like(param) * 0.25)
-            elif param.dim() > 1:
-                param.mul_(4.0)
-        for name, buffer in model.named_buffers():
+    # the router starts at zero in transformers: every expert would tie
+    seeded_weights(model, seed, stds={"feed_forward.gate.weight": 0.25})
+    rng = np.random.default_rng(seed + 1)
+    with torch.no_grad():
+        for name, buffer in sorted(model.named_buffers()):
             if name.endswith("expert_bias"):  # a bias that reorders the choice, so bias-only-to-choose is tested
-                buffer.copy_(torch.rand_like(buffer) * 0.2)
+                drawn = rng.random(tuple(buffer.shape), dtype=np.float32) * 0.2
+                buffer.copy_(torch.from_numpy(drawn).to(buffer.dtype))
     model = model.to(getattr(torch, dtype))
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)

@@ -84,7 +84,7 @@ def test_streams_joining_between_rounds_and_a_cancelled_neighbour_change_no_repl
 
 def test_prompt_chunks_beside_drafted_windows_change_no_reply(model, references):
     requests = looping_requests()
-    long = GenerationRequest(prompt_ids=list(range(20, 60)), max_tokens=6)
+    long = GenerationRequest(prompt_ids=list(range(20, 180)), max_tokens=6)  # chunks for 20 rounds
     run = Run(model, parallel=2, chunk=8)
     run.submit(0, requests[0])
     run.step()

@@ -370,15 +370,16 @@ def test_a_bounded_catch_up_drafts_from_the_last_rows_of_the_context(target, dra
     context = (PROMPT * 4)[:40]
     assert drafter.catch_up([DraftAsk(0, context, 5, catch_up=8)]) == 8
     assert drafter.propose([DraftAsk(0, context, 5, catch_up=8)]) == [serial(drafter.model, context[-9:], 5)]
-    # a live slot that fell 30 tokens behind skips to the last 8 and reads the context with a cut in it
-    seen = list(drafter.slots[0].tokens)
+    # a live slot that fell 30 tokens behind skips to the last 8 and reads the context with a cut in it; the drafts
+    # it fed itself are not the context's, so they are trimmed first
     later = context + [(7 * i) % TARGET_VOCAB for i in range(30)]
+    assert drafter.slots[0].tokens[9:] != later[40:44]
     (drafts,) = drafter.propose([DraftAsk(0, later, 5, catch_up=8)])
-    assert drafts == serial(drafter.model, seen + later[-9:], 5)
+    assert drafts == serial(drafter.model, context[-9:] + later[-9:], 5)
     # then it follows the context as usual: accepted drafts cost no second pass
     before = drafter.stats["rows"]
     assert drafter.propose([DraftAsk(0, later + drafts + [3], 5)]) == [serial(
-        drafter.model, seen + later[-9:] + drafts + [3], 5)]
+        drafter.model, context[-9:] + later[-9:] + drafts + [3], 5)]
     assert drafter.stats["rows"] - before == 2 + 4
 
 
