@@ -142,36 +142,41 @@ def block_losses(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, anch
 
 
 @torch.no_grad()
+def drafted_blocks(drafter: DSparkDrafter, target: Target, ids: torch.Tensor, anchors: torch.Tensor):
+    """Blocks drafted as served at `anchors` (each row's Markov term from the draft before it): the leading drafts
+    equal to the target's greedy tokens, [b, k, block] as 0/1, and each row's running chance."""
+    b, bs = ids.shape[0], drafter.spec.block_size
+    taps, t_logits = target(ids)
+    embedding = target.embedding.float()
+    x, positions, mask = block_inputs(drafter, embedding, ids, anchors)
+    ctx_positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(b, -1)
+    final = drafter.blocks(x, positions, drafter.context_rows(taps), ctx_positions, mask).float()
+    base = (final @ embedding.T).view(b, -1, bs, embedding.shape[0])
+    final = final.view(b, -1, bs, final.shape[-1])
+    want = t_logits.argmax(-1).gather(1, positions).view(b, -1, bs)
+    previous = ids.gather(1, anchors)
+    drafts, running, chance = [], torch.ones_like(previous, dtype=torch.float32), []
+    for j in range(bs):
+        pick = (base[:, :, j] + drafter.markov(previous)).argmax(-1)
+        running = running * torch.sigmoid(drafter.confidence_logit(final[:, :, j], previous))
+        drafts.append(pick)
+        chance.append(running)
+        previous = pick
+    return (torch.stack(drafts, -1) == want).long().cumprod(-1), torch.stack(chance, -1)
+
+
 def accepted_per_block(drafter: DSparkDrafter, target: Target, seqs: torch.Tensor, args, gen) -> dict:
-    """Held-out greedy continuations: blocks drafted as served (each row's Markov term from the draft before it)
-    at pending positions inside the continuation; drafts accepted = the leading ones equal to the target's tokens."""
-    s, bs = drafter.spec, drafter.spec.block_size
+    """Held-out greedy continuations, blocks at random pending positions inside the continuation, every position
+    alike: drafts accepted = the leading ones equal to the target's tokens."""
+    bs = drafter.spec.block_size
     accepted, by_row, chances, blocks = [], torch.zeros(bs), [], 0
     for i in range(0, seqs.shape[0], args.eval_batch):
         ids = seqs[i:i + args.eval_batch]
-        b = ids.shape[0]
-        anchors = anchors_of(b, ids.shape[1] - 1, args.anchors, bs, PROMPT_LEN, gen, ids.device)
-        taps, t_logits = target(ids)
-        embedding = target.embedding.float()
-        x, positions, mask = block_inputs(drafter, embedding, ids, anchors)
-        ctx_positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(b, -1)
-        final = drafter.blocks(x, positions, drafter.context_rows(taps), ctx_positions, mask).float()
-        base = (final @ embedding.T).view(b, -1, bs, embedding.shape[0])
-        final = final.view(b, -1, bs, final.shape[-1])
-        want = t_logits.argmax(-1).gather(1, positions).view(b, -1, bs)
-        previous = ids.gather(1, anchors)
-        drafts, running, chance = [], torch.ones_like(previous, dtype=torch.float32), []
-        for j in range(bs):
-            pick = (base[:, :, j] + drafter.markov(previous)).argmax(-1)
-            running = running * torch.sigmoid(drafter.confidence_logit(final[:, :, j], previous))
-            drafts.append(pick)
-            chance.append(running)
-            previous = pick
-        right = torch.stack(drafts, -1) == want
-        lead = right.long().cumprod(-1)
+        anchors = anchors_of(ids.shape[0], ids.shape[1] - 1, args.anchors, bs, PROMPT_LEN, gen, ids.device)
+        lead, chance = drafted_blocks(drafter, target, ids, anchors)
         accepted.append(lead.sum(-1).flatten().cpu())
         by_row += lead.float().sum((0, 1)).cpu()
-        chances.append(torch.stack(chance, -1).flatten(0, 1).cpu())
+        chances.append(chance.flatten(0, 1).cpu())
         blocks += lead.shape[0] * lead.shape[1]
     accepted = torch.cat(accepted).float()
     chance = torch.cat(chances).mean(0)
@@ -181,39 +186,22 @@ def accepted_per_block(drafter: DSparkDrafter, target: Target, seqs: torch.Tenso
             "mean_chance_by_row": [round(float(v), 3) for v in chance]}
 
 
-@torch.no_grad()
 def served_accepted_per_block(drafter: DSparkDrafter, target: Target, seqs: torch.Tensor, args, prompt_len: int,
                               tokens: int) -> dict:
-    """What eval_dspark.py serves: each sequence's blocks walked along its decode, the first pending token at
-    `prompt_len`, the next one past the drafts a block kept (p += accepted + 1), while a block of drafts fits in the
-    first `tokens` greedy tokens. Per round, not per position: a stretch the drafter lands counts once, not once a
-    position (the per-position mean above weighs easy stretches ~9x and reads 4.26 where this reads ~2.1)."""
-    bs = drafter.spec.block_size
-    out = []
+    """What eval_dspark.py serves: blocks walked along each decode from `prompt_len`, the next pending token past the
+    drafts a block kept, while a block fits in the first `tokens` greedy tokens. Per round, not per position: a
+    stretch the drafter lands counts once (the per-position mean weighs easy stretches more: docs/dspark.md)."""
+    bs, out = drafter.spec.block_size, []
     for i in range(0, seqs.shape[0], args.eval_batch):
         ids = seqs[i:i + args.eval_batch]
-        b = ids.shape[0]
         last = min(prompt_len + tokens - bs, ids.shape[1] - 1 - bs)
-        anchors = torch.arange(prompt_len, last + 1, device=ids.device)[None].expand(b, -1).contiguous()
-        taps, t_logits = target(ids)
-        embedding = target.embedding.float()
-        x, positions, mask = block_inputs(drafter, embedding, ids, anchors)
-        ctx_positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(b, -1)
-        final = drafter.blocks(x, positions, drafter.context_rows(taps), ctx_positions, mask).float()
-        base = (final @ embedding.T).view(b, -1, bs, embedding.shape[0])
-        want = t_logits.argmax(-1).gather(1, positions).view(b, -1, bs)
-        previous, drafts = ids.gather(1, anchors), []
-        for j in range(bs):
-            previous = (base[:, :, j] + drafter.markov(previous)).argmax(-1)
-            drafts.append(previous)
-        lead = (torch.stack(drafts, -1) == want).long().cumprod(-1).sum(-1).cpu()  # [b, anchors]
-        for row in lead.tolist():
+        anchors = torch.arange(prompt_len, last + 1, device=ids.device)[None].expand(ids.shape[0], -1).contiguous()
+        for row in drafted_blocks(drafter, target, ids, anchors)[0].sum(-1).tolist():
             p = 0
             while p < len(row):
                 out.append(row[p])
                 p += row[p] + 1
-    accepted = torch.tensor(out, dtype=torch.float32)
-    return {"blocks": len(out), "accepted_per_block": round(float(accepted.mean()), 3),
+    return {"blocks": len(out), "accepted_per_block": round(sum(out) / max(1, len(out)), 3),
             "prompt_len": prompt_len, "tokens": tokens}
 
 
