@@ -54,9 +54,9 @@ def llama_config(**overrides):
 
 
 def seeded_weights(model, seed: int, std: float = 0.08, stds: dict[str, float] | None = None) -> None:
-    """Every matrix drawn from numpy's seeded generator, so a test model's bytes do not move with transformers' init
-    (a release that changed it once made the random llama repeat one token); vectors (norms, biases) stay as built.
-    The std is 4x transformers' usual 0.02: random init is too flat to tell tokens apart; `stds` by name suffix."""
+    """Every matrix drawn from numpy's seeded generator (`stds` by name suffix); vectors stay as built."""
+    # not transformers' init: a release that changed it made the random llama repeat one token and broke tests; the
+    # std is 4x transformers' usual 0.02, since a flatter init cannot tell tokens apart
     import torch
 
     rng = np.random.default_rng(seed)
