@@ -27,7 +27,7 @@ end="# tensorfold stage.sh: end"
 limit=$((64 * 1024 * 1024))
 
 weights() {  # the shipped model folders
-  { git ls-files 'plugins/*/tensorfold_*/models/*'; [ -f "$saved" ] && cut -f2 "$saved"; } | cut -d/ -f1-4 | sort -u
+  git ls-files 'plugins/*/tensorfold_*/models/*' | cut -d/ -f1-4 | sort -u
 }
 
 git_index() {  # git "$@" on the index, waiting out another engineer's commit (its index.lock)
@@ -57,6 +57,13 @@ if [ -f .git/tensorfold-stage-weights.index ]; then
 fi
 HOOK
   chmod +x "$hook"
+}
+
+take_out() {  # keep these paths out of git's index and of the upload, their entries saved for `unstage`
+  git ls-files -s -- "$@" > "$saved"
+  { echo "$begin"; printf '/%s\n' "$@"; echo "$end"; } >> "$exclude"
+  git_index rm -r -q --cached -- "$@"
+  [ -e "$hook" ] || guard
 }
 
 unguard() { if [ -f "$hook" ] && grep -q "tensorfold stage.sh guard" "$hook"; then rm -f "$hook"; fi; }
@@ -91,13 +98,8 @@ case "${1:-}" in
     for d in /.mlxa/ /.mlxb/; do grep -qxF "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
     unstage  # after `weights` the saved entries are the receipts': put them back before taking the weights out
     commit=$(git rev-parse --short HEAD)$([ -z "$(git status --porcelain -uno)" ] || echo +dirty)
-    if [ ! -f "$saved" ]; then
-      mapfile -t dirs < <(weights)
-      git ls-files -s -- "${dirs[@]}" > "$saved"
-      { echo "$begin"; printf '/%s/\n' "${dirs[@]}"; echo "$end"; } >> "$exclude"
-      git_index rm -r -q --cached -- "${dirs[@]}"
-    fi
-    [ -e "$hook" ] || guard
+    mapfile -t dirs < <(weights)
+    take_out "${dirs[@]}"
     echo "Staged: MLX $(cat .mlxb/VERSION) in .mlxa/ and .mlxb/; the weights are out of the upload (and of git's index)."
     sizes
     cat <<MSG
@@ -115,10 +117,7 @@ MSG
     unstage
     newest=$(git ls-files 'contract/receipts/h200-*/contract*.json' | sort | tail -1)
     mapfile -t receipts < <(git ls-files contract/receipts | grep -vxF "$newest" | grep -v '\.sh$')
-    git ls-files -s -- "${receipts[@]}" > "$saved"
-    { echo "$begin"; printf '/%s\n' "${receipts[@]}"; echo "$end"; } >> "$exclude"
-    git_index rm -q --cached -- "${receipts[@]}"
-    [ -e "$hook" ] || guard
+    take_out "${receipts[@]}"
     echo "The weights travel again; the receipts (but $newest) are out of the upload until stage.sh full."
     echo "Commits wait for stage.sh full (a commit now would delete the receipts)."
     sizes
