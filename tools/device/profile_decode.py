@@ -11,6 +11,10 @@ on the host node by node: where that evaluation is the cost of a token, fewer no
 profiles the served engine too (the drafter, copy drafts, priced depths, as a server runs them) beside plain, so a
 served engine's own cost per round shows against plain's: its rounds, windows drafted and rounds run ahead print,
 and a round's phases timed unprofiled (planning, building forwards in step, queueing run-ahead steps, the rest).
+`--depth N` profiles a drafted engine too (every window N drafts, no copies, as bench_gpu_pair's drafted cell), and
+a drafting engine's planning splits into the drafter's chain, its catch-up and the rest, and the rest of the round
+into the read of the verify's rows (the wait for the device) and the host's work after it. With `--census`, the
+drafter's own step graph is counted beside the target's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import tempfile
 from collections import Counter
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -46,8 +52,8 @@ def profiled(run, top: int, dump: Path | None = None) -> str:
 
 def phased(engine, run) -> str:
     """`run()` with the engine's phases timed unprofiled (cProfile inflates Python several times over): ms a round in
-    planning (drafts and prices), in building forwards that ran in step, in queueing run-ahead steps, and the rest
-    of the rounds (the wait for the device, the read, the draws, the commits)."""
+    the drafter's chain and catch-up, the rest of planning (prices), building forwards that ran in step, queueing
+    run-ahead steps, reading rows (the wait for the device), and the rest (the draws, the commits)."""
     spent: Counter = Counter()
 
     def timed(name: str, fn):
@@ -59,17 +65,34 @@ def phased(engine, run) -> str:
                 spent[name] += time.perf_counter() - start
         return wrapper
 
-    rounds = engine.rounds
+    from tensorfold_core.lanes import engine as engine_module
+
+    class TimedNumpy:  # the engine's module-level numpy, its `array` (the read that waits for the device) timed
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        array = staticmethod(timed("read (device wait)", np.array))
+
+    rounds, drafter = engine.rounds, engine.drafter
     engine.plan, engine._forward = timed("plan", engine.plan), timed("forward in step", engine._forward)
     engine.ahead.launch = timed("queue ahead", engine.ahead.launch)
+    if drafter is not None:  # inside the plan: told apart below
+        drafter.propose, drafter.catch_up = timed("chain", drafter.propose), timed("catch-up", drafter.catch_up)
+    engine_module.np = TimedNumpy()
     start = time.perf_counter()
     try:
         run()
     finally:
+        engine_module.np = np
         del engine.plan, engine._forward, engine.ahead.launch  # the class's own methods again
+        if drafter is not None:
+            del drafter.propose, drafter.catch_up
     total, n = time.perf_counter() - start, max(engine.rounds - rounds, 1)
-    parts = {**spent, "rest (wait, read, draw, commit)": total - sum(spent.values())}
-    return "  ".join(f"{name} {1e3 * t / n:.3f}" for name, t in parts.items()) + f"  (ms a round, {n} rounds)"
+    parts = {**spent, "plan": spent["plan"] - spent["chain"] - spent["catch-up"],
+             "rest (draw, commit)": total - sum(spent.values()) + spent["chain"] + spent["catch-up"]}
+    order = ("chain", "catch-up", "plan", "forward in step", "queue ahead", "read (device wait)", "rest (draw, commit)")
+    return "  ".join(f"{name} {1e3 * parts[name] / n:.3f}" for name in order if name in parts) \
+        + f"  (ms a round, {n} rounds)"
 
 
 def census(model, tokenizer, streams: int) -> Counter:
@@ -113,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--census", action="store_true", help="count one decode step's graph primitives first")
     parser.add_argument("--drafter", help="also profile the served engine with this drafter")
+    parser.add_argument("--depth", type=int, default=0, help="and a drafted engine, N drafts a window (with --drafter)")
     parser.add_argument("--dump", type=Path, help="write each run's whole profile here (STREAMS-ENGINE.prof), "
                         "for pstats' callers and cumulative views")
     args = parser.parse_args(argv)
@@ -126,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         drafter = start_drafter(args.drafter, model, tokenizer, DrafterOptions(dtype="bfloat16"))
     print(f"kernels {model.kernels}\nprobe {target.probe}")
     if args.census:
-        for streams in (1, args.streams):
+        for streams in sorted({1, args.streams}):
             printed_census(model, tokenizer, streams)
-    for streams in (1, args.streams):
+        if drafter is not None and hasattr(getattr(drafter, "model", None), "forward"):
+            print("\n== the drafter's step:", end="")
+            printed_census(drafter.model, tokenizer, 1)
+    for streams in sorted({1, args.streams}):
         requests = [GenerationRequest(prompt_ids=tokenizer.encode(PROMPT), max_tokens=args.tokens,
                                       stop_token_ids=frozenset()) for _ in range(streams)]
         engines = {"plain": Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)}
+        if drafter is not None and args.depth:
+            engines["drafted"] = Engine(model, shared_rounds=target.row_invariant, drafter=drafter,
+                                        fixed_depth=args.depth, copy_drafts=False)
         if drafter is not None:
             engines["served"] = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
         for name, engine in engines.items():
