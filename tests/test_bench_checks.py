@@ -216,16 +216,22 @@ def test_the_round_time_tool_times_every_part_of_a_drafted_round_on_the_cpu():
         assert part in done.stdout
 
 
-def test_the_decode_profile_tool_profiles_plain_and_served_at_one_stream_and_several_on_the_cpu():
+def test_the_decode_profile_tool_profiles_plain_drafted_and_served_at_one_stream_and_several_on_the_cpu():
     tool = BENCH.parent / "tools" / "device" / "profile_decode.py"
     done = subprocess.run([sys.executable, str(tool), "tiny-llama", "--tokens", "6", "--streams", "2", "--top", "5",
-                           "--census", "--drafter", "tiny-llama-drafter"], capture_output=True, text=True, timeout=600)
+                           "--census", "--drafter", "tiny-llama-drafter", "--depth", "2"],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    one, two = re.findall(r"decode step, (\d) stream\(s\): (\d+) primitives", done.stdout)
+    one, two, drafter = re.findall(r"decode step, (\d) stream\(s\): (\d+) primitives", done.stdout)
     assert one[0] == "1" and two[0] == "2" and int(two[1]) > int(one[1]) > 0  # a second stream adds its attention
-    cells = re.findall(r"== (\d) stream\(s\), (plain|served): [\d.]+ tok/s unprofiled; (\d+) rounds", done.stdout)
-    assert [c[:2] for c in cells] == [("1", "plain"), ("1", "served"), ("2", "plain"), ("2", "served")]
-    assert all(int(c[2]) > 0 for c in cells) and done.stdout.count("Ordered by: internal time") == 4
+    assert "the drafter's step" in done.stdout and 0 < int(drafter[1]) < int(one[1])  # 4 layers to the target's 8
+    cells = re.findall(r"== (\d) stream\(s\), (plain|drafted|served): [\d.]+ tok/s unprofiled; (\d+) rounds",
+                       done.stdout)
+    assert [c[:2] for c in cells] == [(n, e) for n in "12" for e in ("plain", "drafted", "served")]
+    assert all(int(c[2]) > 0 for c in cells) and done.stdout.count("Ordered by: internal time") == 6
+    phases = re.findall(r"^chain ([\d.]+) .* read \(device wait\) ([\d.]+) .*\(ms a round", done.stdout, re.M)
+    assert len(phases) == 4  # drafted and served, at 1 and 2 streams
+    assert float(phases[0][0]) > 0 and float(phases[2][0]) > 0  # the drafted engine's every window ran a chain
 
 
 def test_the_gpu_pair_bench_refuses_mlx_lm_without_the_builtin_mode_its_ids_are_checked_against():

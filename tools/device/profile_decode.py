@@ -76,8 +76,9 @@ def phased(engine, run) -> str:
     rounds, drafter = engine.rounds, engine.drafter
     engine.plan, engine._forward = timed("plan", engine.plan), timed("forward in step", engine._forward)
     engine.ahead.launch = timed("queue ahead", engine.ahead.launch)
-    if drafter is not None:  # inside the plan: told apart below
+    if drafter is not None:  # inside the plan: told apart below (0 where the planner asked no drafts)
         drafter.propose, drafter.catch_up = timed("chain", drafter.propose), timed("catch-up", drafter.catch_up)
+        spent.update({"chain": 0.0, "catch-up": 0.0})
     engine_module.np = TimedNumpy()
     start = time.perf_counter()
     try:
