@@ -43,6 +43,12 @@ with."""
         else r["where"]
     end = (f"; at its last logged step ({at}): loss {last['loss']:.2f} (block cross entropy {last['ce']:.2f}), "
            f"{last['agree']:.0%} of block rows picking the target's token") if last else ""
+    start = (f"\n- from the weights shipped before (`--init`; their training's receipt: "
+             f"`tools/zoo/runs/dspark-first-metrics.json`), not from fresh ones") if r.get("init") else ""
+    served = r.get("heldout_served")
+    heldout = (f"\n- the trainer's own held-out measure (torch, blocks walked along the first {served['tokens']} greedy "
+               f"tokens as a decode walks them): {served['accepted_per_block']:.2f} accepted drafts per block") \
+        if served else ""
     return f"""`tools/zoo/train_dspark.py` on {where},
 receipt `tools/zoo/runs/dspark-metrics.json`:
 
@@ -55,7 +61,7 @@ receipt `tools/zoo/runs/dspark-metrics.json`:
 - data: sequences of {r["length"]} tokens, half random windows of the training files, half the target's greedy
   continuations of {r["gen_seqs_made"]:,} random 64-token training windows
 - {r["steps"]:,} AdamW steps of {r["batch"]} sequences, peak lr {r["lr"]:g}, cosine to a tenth, seed {r["seed"]},
-  {r["train_s"]:.0f} s of training{cut}{end}"""
+  {r["train_s"]:.0f} s of training{cut}{end}{start}{heldout}"""
 
 
 def card(config: dict, evaluation: dict, weights: Path, receipt: dict | None, log: str = "") -> str:
