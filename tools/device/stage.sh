@@ -6,7 +6,8 @@
 #                                 upload, and print the run calls to make
 #   tools/device/stage.sh full    put the weights back (at once after the MLX calls: see below)
 #   tools/device/stage.sh weights the weights back, the receipts out instead (but the newest contract JSON, which
-#                                 run_on_h200.sh orders the contract by): the tree with every weight and every
+#                                 run_on_h200.sh orders the contract by), and the DSpark drafters' dirs (no GPU step
+#                                 reads them; a call that needs one carries it): the tree with every weight and every
 #                                 receipt passed the 64 MiB a call may send; `full` puts everything back
 #   tools/device/stage.sh sizes   what each call would upload now, in MiB
 #   tools/device/stage.sh head    .head/code.tar.gz: HEAD's code (no weights, compressed: the tree with the weights
@@ -117,8 +118,11 @@ MSG
     unstage
     newest=$(git ls-files 'contract/receipts/h200-*/contract*.json' | sort | tail -1)
     mapfile -t receipts < <(git ls-files contract/receipts | grep -vxF "$newest" | grep -v '\.sh$')
-    take_out "${receipts[@]}"
-    echo "The weights travel again; the receipts (but $newest) are out of the upload until stage.sh full."
+    # no GPU step reads a shipped DSpark drafter (the exactness script builds its own): a call that does carries it
+    mapfile -t drafters < <(weights | grep '^plugins/tensorfold_dspark/')
+    take_out "${receipts[@]}" "${drafters[@]}"
+    echo "The weights travel again (but the DSpark drafters': carry a dir a call needs); the receipts (but $newest)"
+    echo "are out of the upload until stage.sh full."
     echo "Commits wait for stage.sh full (a commit now would delete the receipts)."
     sizes
     ;;

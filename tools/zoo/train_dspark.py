@@ -1,4 +1,5 @@
-"""Train tiny-lfm2-moe-dspark: the DFlash block objective on the frozen target's taps, plus Markov and confidence heads."""
+"""Train a DSpark drafter (tiny-lfm2-moe-dspark by default): the DFlash block objective on the frozen target's
+taps, plus Markov and confidence heads."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from dspark_torch import DSparkDrafter, DSparkSpec, read_checkpoint, write_check
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "plugins/tensorfold_lfm2/tensorfold_lfm2/models/tiny-lfm2-moe"
-NAME = "tiny-lfm2-moe-dspark"
 PROMPT_LEN = 64  # generated sequences: a corpus window, then the target's greedy continuation
 
 
@@ -215,6 +215,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", type=Path, default=TARGET)
+    ap.add_argument("--name", help="the drafter dir's name under --out (default: the target's name + -dspark)")
     ap.add_argument("--data", type=Path, default=ROOT / ".zoo/data")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / ".zoo/dspark")))
     ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: sized from --budget-s)")
@@ -239,6 +240,7 @@ def main() -> None:
                     "weights: a longer run over several device calls, each with its own schedule")
     ap.add_argument("--layers", type=int, default=DSparkSpec.num_hidden_layers, help="drafter layers (fresh weights)")
     args = ap.parse_args()
+    args.name = args.name or f"{args.target.name}-dspark"
     if args.init is not None and args.layers != DSparkSpec.num_hidden_layers:
         ap.error("--layers shapes fresh weights; --init keeps its checkpoint's")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -311,14 +313,14 @@ def main() -> None:
             curve.append((step, row))
             log(f"step {step} {json.dumps(row)} lr {lr:.2e} t {time.time() - t_train:.0f}s")
         if step and step % 2000 == 0:
-            write_checkpoint(drafter, args.out / NAME, args.target)
+            write_checkpoint(drafter, args.out / args.name, args.target)
         step += 1
         if time.time() - t0 > args.wall_s - 45:  # a busy machine ran slower than measured: stop, keep the time to save
             log(f"stopped at step {step} of {steps}: past the wall time")
             break
     train_s = time.time() - t_train
     drafter.eval()
-    metrics = {"name": NAME, "spec": spec.config(), "init": str(args.init) if args.init else None, "steps": step, "batch": args.batch, "length": args.length,
+    metrics = {"name": args.name, "spec": spec.config(), "init": str(args.init) if args.init else None, "steps": step, "batch": args.batch, "length": args.length,
                "anchors": args.anchors, "gen_seqs": args.gen_seqs, "gen_seqs_made": greedy.shape[0],
                "where": torch.cuda.get_device_name() if device == "cuda" else "this CPU", "lr": args.lr, "alpha": args.alpha,
                "gamma": args.gamma, "seed": args.seed, "train_s": round(train_s, 1), "loss_curve": curve,
@@ -329,7 +331,7 @@ def main() -> None:
                "heldout_served": served_accepted_per_block(drafter, target, heldout, args, PROMPT_LEN, 64)
                if heldout is not None else None}
     log(json.dumps({k: v for k, v in metrics.items() if k not in ("loss_curve", "spec")}))
-    write_checkpoint(drafter, args.out / NAME, args.target)
+    write_checkpoint(drafter, args.out / args.name, args.target)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     log(f"all done in {time.time() - t0:.0f}s")
 
