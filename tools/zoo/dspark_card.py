@@ -1,7 +1,8 @@
-"""Write tiny-lfm2-moe-dspark's model card from its config, its weights and the CPU evaluation in tools/zoo/runs/."""
+"""Write a shipped DSpark drafter's model card from its config, its weights and the CPU evaluation in tools/zoo/runs/."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import struct
@@ -9,7 +10,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "tools/zoo/runs"
-DEST = ROOT / "plugins/tensorfold_dspark/tensorfold_dspark/models/tiny-lfm2-moe-dspark"
+MODELS = ROOT / "plugins/tensorfold_dspark/tensorfold_dspark/models"
+FIRST = "tiny-lfm2-moe-dspark"  # the first shipped: its receipts kept their names (runs/dspark-*)
+
+
+def receipts(name: str) -> str:
+    """The prefix of a drafter's receipts in runs/."""
+    return "dspark" if name == FIRST else name
 
 
 def parameters(weights: Path) -> int:
@@ -26,7 +33,7 @@ def parameters(weights: Path) -> int:
     return count
 
 
-def training(receipt: dict | None, log: str) -> str:
+def training(receipt: dict | None, log: str, prefix: str) -> str:
     """The training section: what the receipt and its log say, or that none survived."""
     if receipt is None:
         return """The session that trained these weights was cut off before it committed, and its training receipt
@@ -44,13 +51,13 @@ with."""
     end = (f"; at its last logged step ({at}): loss {last['loss']:.2f} (block cross entropy {last['ce']:.2f}), "
            f"{last['agree']:.0%} of block rows picking the target's token") if last else ""
     start = (f"\n- from the weights shipped before (`--init`; their training's receipt: "
-             f"`tools/zoo/runs/dspark-first-metrics.json`), not from fresh ones") if r.get("init") else ""
+             f"`tools/zoo/runs/{prefix}-first-metrics.json`), not from fresh ones") if r.get("init") else ""
     served = r.get("heldout_served")
     heldout = (f"\n- the trainer's own held-out measure (torch, blocks walked along the first {served['tokens']} greedy "
                f"tokens as a decode walks them): {served['accepted_per_block']:.2f} accepted drafts per block") \
         if served else ""
     return f"""`tools/zoo/train_dspark.py` on {where},
-receipt `tools/zoo/runs/dspark-metrics.json`:
+receipt `tools/zoo/runs/{prefix}-metrics.json`:
 
 - objective: the DFlash block objective on the frozen target's taps: {r["anchors"]} blocks a sequence at random
   pending positions, each row attending the context rows before its block and every row of its block; row j's
@@ -64,7 +71,7 @@ receipt `tools/zoo/runs/dspark-metrics.json`:
   {r["train_s"]:.0f} s of training{cut}{end}{start}{heldout}"""
 
 
-def card(config: dict, evaluation: dict, weights: Path, receipt: dict | None, log: str = "") -> str:
+def card(name: str, config: dict, evaluation: dict, weights: Path, receipt: dict | None, log: str = "") -> str:
     d, e, hist = config["dflash_config"], evaluation, evaluation["accepted_histogram"]
     histogram = ", ".join(f"{k}: {n}" for k, n in hist.items())
     weak = ("\n\nIt is **undertrained**: fewer than one draft of a block lands on average (figures below), so it\n"
@@ -77,9 +84,9 @@ tags:
 - dspark
 ---
 
-# tiny-lfm2-moe-dspark
+# {name}
 
-A DSpark block drafter for `tiny-lfm2-moe`, trained on the target's own taps over the Python 3.11.7 standard library
+A DSpark block drafter for `{name.removesuffix("-dspark")}`, trained on the target's own taps over the Python 3.11.7 standard library
 (the zoo's corpus, `docs/zoo.md`) and shipped as package data, so the DSpark drafter kind is tested and measured
 offline. It is a test fixture, as its target is.{weak}
 
@@ -96,7 +103,7 @@ offline. It is a test fixture, as its target is.{weak}
 ## Figures
 
 Measured on the CPU through tensorfold (float32 target, the drafter's 8-bit codes), `tools/zoo/eval_dspark.py`,
-receipt `tools/zoo/runs/dspark-eval.json`: {e["prompts"]} windows of {e["prompt_len"]} tokens evenly spaced over the
+receipt `tools/zoo/runs/{receipts(name)}-eval.json`: {e["prompts"]} windows of {e["prompt_len"]} tokens evenly spaced over the
 held-out files, {e["tokens"]} greedy tokens each, every round holding a block of {e["depth"]} drafts (no copy
 drafts, no grants):
 
@@ -106,7 +113,7 @@ drafts, no grants):
 
 ## Training
 
-{training(receipt, log)}
+{training(receipt, log, receipts(name))}
 
 - tokenizer: the zoo's, byte for byte (`docs/zoo.md`)
 - rebuild: `tools/zoo/README.md`; served speed: `docs/dspark.md`
@@ -114,14 +121,18 @@ drafts, no grants):
 
 
 def main() -> None:
-    config = json.loads((DEST / "config.json").read_text())
-    evaluation = json.loads((RUNS / "dspark-eval.json").read_text())
-    metrics = RUNS / "dspark-metrics.json"
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("name", nargs="?", default=FIRST, help=f"the drafter's dir under {MODELS.relative_to(ROOT)}")
+    name = parser.parse_args().name
+    dest, prefix = MODELS / name, receipts(name)
+    config = json.loads((dest / "config.json").read_text())
+    evaluation = json.loads((RUNS / f"{prefix}-eval.json").read_text())
+    metrics = RUNS / f"{prefix}-metrics.json"
     receipt = json.loads(metrics.read_text()) if metrics.exists() else None
-    log = RUNS / "dspark-train.log"
-    text = card(config, evaluation, DEST / "model.safetensors", receipt, log.read_text() if log.exists() else "")
-    (DEST / "README.md").write_text(text)
-    print(f"wrote {DEST / 'README.md'}")
+    log = RUNS / f"{prefix}-train.log"
+    text = card(name, config, evaluation, dest / "model.safetensors", receipt, log.read_text() if log.exists() else "")
+    (dest / "README.md").write_text(text)
+    print(f"wrote {dest / 'README.md'}")
 
 
 if __name__ == "__main__":
