@@ -14,7 +14,8 @@ and a round's phases timed unprofiled (planning, building forwards in step, queu
 `--depth N` profiles a drafted engine too (every window N drafts, no copies, as bench_gpu_pair's drafted cell), and
 a drafting engine's planning splits into the drafter's chain, its catch-up and the rest, and the rest of the round
 into the read of the verify's rows (the wait for the device) and the host's work after it. With `--census`, the
-drafter's own step graph is counted beside the target's.
+drafter's own step graph is counted beside the target's. (`round_time.py` times the same parts each alone and
+synced; these phases are as rounds run them, overlaps and all.)
 """
 
 from __future__ import annotations
