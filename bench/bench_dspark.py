@@ -1,4 +1,5 @@
-"""tiny-lfm2-moe drafted by tiny-lfm2-moe-dspark against its plain decode on code or random prompts, ids checked first."""
+"""A shipped DSpark pair (tiny-lfm2-moe or tiny-lfm2 drafted by its DSpark drafter) against its plain decode on code
+or random prompts, ids checked first."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import openai
 from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, complete, exit_code, fail_if_any, median,
                     platform_lines, random_prompts, server, spread, table, tokenize)
 
-TARGET = "tiny-lfm2-moe"
-DRAFTER = "tiny-lfm2-moe-dspark"
+PAIRS = {"tiny-lfm2-moe": "tiny-lfm2-moe-dspark", "tiny-lfm2": "tiny-lfm2-dspark"}  # target -> its shipped drafter
 WARM_UP = "x = 1\n"  # a prompt no timed request uses, so its kept state helps none of them
 # the long cell's contexts: stdlib modules' own source, cut to fit the target's 2,048 positions with the reply
 LONG_MODULES = ("textwrap", "fractions", "shlex", "calendar", "string", "glob", "bisect", "heapq")
@@ -34,14 +34,19 @@ class Cell:
     env: tuple[tuple[str, str], ...] = ()
 
 
-CELLS = [
-    Cell("plain", "`--drafter none`, requests `\"draft\": false` (the reference)", ("--drafter", "none"), False),
-    Cell("copy", "`--drafter none`, requests drafted (copy drafts only)", ("--drafter", "none"), True),
-    Cell("dspark", f"`--drafter {DRAFTER}`, requests drafted (DSpark and copy drafts)", ("--drafter", DRAFTER), True),
-    # not run unless named (--cells): the drafter's 8-bit codes read in place on the CPU, as before they were unpacked
-    Cell("dspark-codes", "as dspark, the drafter's codes read in place (`TENSORFOLD_UNPACK_ONCE=0`)",
-         ("--drafter", DRAFTER), True, (("TENSORFOLD_UNPACK_ONCE", "0"),)),
-]
+def all_cells(drafter: str) -> list[Cell]:
+    return [
+        Cell("plain", "`--drafter none`, requests `\"draft\": false` (the reference)", ("--drafter", "none"), False),
+        Cell("copy", "`--drafter none`, requests drafted (copy drafts only)", ("--drafter", "none"), True),
+        Cell("dspark", f"`--drafter {drafter}`, requests drafted (DSpark and copy drafts)", ("--drafter", drafter),
+             True),
+        # not run unless named (--cells): the drafter's 8-bit codes read in place on the CPU, as before they were
+        # unpacked
+        Cell("dspark-codes", "as dspark, the drafter's codes read in place (`TENSORFOLD_UNPACK_ONCE=0`)",
+             ("--drafter", drafter), True, (("TENSORFOLD_UNPACK_ONCE", "0"),)),
+    ]
+
+
 DEFAULT_CELLS = "plain,copy,dspark"
 BASELINE = "plain"
 
@@ -57,17 +62,18 @@ def workload(args) -> list[list[int]]:
         return random_prompts(args.prompts or 8, 64, seed=0)
     if args.workload == "long":
         texts = [inspect.getsource(importlib.import_module(m)) for m in LONG_MODULES[:args.prompts or 4]]
-        return [ids[:LONG_TOKENS] for ids in tokenize(texts, TARGET)]
-    return tokenize(CODE_PROMPTS[:args.prompts or len(CODE_PROMPTS)], TARGET)
+        return [ids[:LONG_TOKENS] for ids in tokenize(texts, args.pair)]
+    return tokenize(CODE_PROMPTS[:args.prompts or len(CODE_PROMPTS)], args.pair)
 
 
 def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
     """A fresh server; every prompt once, `streams` at a time; the replies and the decode rate."""
     flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags, *args.serve_flags.split()]
-    with server(TARGET, *flags, env={**blas_env(args.blas), **dict(cell.env)}) as url:
+    target = args.pair
+    with server(target, *flags, env={**blas_env(args.blas), **dict(cell.env)}) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
-        send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=TARGET, **sampling(args, i))
-        complete(client, tokenize([WARM_UP], TARGET)[0], 8, draft=cell.draft, model=TARGET)
+        send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=target, **sampling(args, i))
+        complete(client, tokenize([WARM_UP], target)[0], 8, draft=cell.draft, model=target)
         start = time.perf_counter()
         with ThreadPoolExecutor(streams) as pool:
             replies = list(pool.map(send, range(len(prompts))))
@@ -87,6 +93,8 @@ def columns(runs: list[dict]) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pair", default="tiny-lfm2-moe", choices=list(PAIRS),
+                        help="the target; its shipped DSpark drafter drafts")
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each reply")
     parser.add_argument("--reps", type=int, default=3, help="rounds over every cell, in a rotated order")
     parser.add_argument("--workload", default="code", choices=["code", "random", "long"],
@@ -101,20 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blas", default="openblas-nehalem", help="bundled, openblas, openblas-CORE")
     parser.add_argument("--serve-flags", default="", help="more flags for every cell's server, e.g. "
                         "'--prompt-cache-gib 0' (no kept prompt states, so no Recall copies)")
-    parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma list of {', '.join(c.name for c in CELLS)}; "
+    names = ", ".join(c.name for c in all_cells("DRAFTER"))
+    parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma list of {names}; "
                         f"{BASELINE} always runs")
     args = parser.parse_args(argv)
-    known = {c.name: c for c in CELLS}
+    known = {c.name: c for c in all_cells(PAIRS[args.pair])}
     unknown = [name for name in args.cells.split(",") if name not in known]
     if unknown:
         parser.error(f"--cells: unknown {', '.join(unknown)} (known: {', '.join(known)})")
-    cells = [c for c in CELLS if c.name == BASELINE or c.name in args.cells.split(",")]
+    cells = [c for c in known.values() if c.name == BASELINE or c.name in args.cells.split(",")]
     prompts = workload(args)
     levels = [int(s) for s in args.streams.split(",")]
     print("\n".join(platform_lines(args.blas)))
     how = {"random": "random, temperature 1.0, seeded", "long": f"long: {LONG_TOKENS}-token stdlib sources, "
            f"{args.sampling}"}.get(args.workload, f"code, {args.sampling}")
-    print(f"{TARGET}, dtype {args.dtype}; {len(prompts)} prompts ({how}), {args.tokens} tokens each; "
+    print(f"{args.pair} drafted by {PAIRS[args.pair]}, dtype {args.dtype}; {len(prompts)} prompts ({how}), "
+          f"{args.tokens} tokens each; "
           f"{args.reps} reps; a fresh server per cell, cells in a rotated order"
           + (f"; every server with {args.serve_flags}" if args.serve_flags else ""))
     runs = {(c.name, n): [] for c in cells for n in levels}

@@ -11,6 +11,7 @@ MODELS = Path(__file__).parent / "models"
 
 SHIPPED = [
     dict(name="tiny-lfm2-moe-dspark", role="drafter", description="the DSpark drafter of tiny-lfm2-moe"),
+    dict(name="tiny-lfm2-dspark", role="drafter", description="the DSpark drafter of tiny-lfm2"),
 ]
 
 

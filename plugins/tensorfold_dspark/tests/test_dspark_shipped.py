@@ -1,4 +1,5 @@
-"""The shipped tiny-lfm2-moe-dspark: found by name, its drafts land on code, and drafted replies stay exact."""
+"""The shipped DSpark drafters (tiny-lfm2-moe-dspark, tiny-lfm2-dspark): each found by name, its drafts land on
+code, and replies it drafts stay exact."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tensorfold_core.options import ServeOptions
 from tensorfold_core.server import start_in_thread
 from tensorfold_dspark.plugin import MODELS
 
-NAME, TARGET = "tiny-lfm2-moe-dspark", "tiny-lfm2-moe"
+PAIRS = [("tiny-lfm2-moe-dspark", "tiny-lfm2-moe"), ("tiny-lfm2-dspark", "tiny-lfm2")]
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n"]
 # two stdlib-like contexts of about a hundred tokens, the length the drafter's held-out figures are measured at
@@ -34,38 +35,47 @@ CONTEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", params=PAIRS, ids=[name for name, _ in PAIRS])
+def pair(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def client():
+def client(pair):
+    name, target = pair
     # float32: mlx's CPU backend has no bf16 gather_mm for the target's experts
-    options = ServeOptions(parallel=4, context=512, dtype="float32", drafter=NAME, model_name=TARGET)
-    host = load_host(TARGET, options, timed=False)
+    options = ServeOptions(parallel=4, context=512, dtype="float32", drafter=name, model_name=target)
+    host = load_host(target, options, timed=False)
     assert host.drafter is not None and host.drafter.name == "dspark"
     server = start_in_thread(host)
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0), target
     server.stop()
     host.close()
 
 
 def ask(client, i: int, seeded: bool, draft: bool = True):
     sampling = {"temperature": 0.8, "seed": 7 + i} if seeded else {"temperature": 0}
-    return client.completions.create(model=TARGET, prompt=PROMPTS[i], max_tokens=32,
-                                     extra_body={"return_token_ids": True, "draft": draft}, **sampling)
+    openai_client, target = client
+    return openai_client.completions.create(model=target, prompt=PROMPTS[i], max_tokens=32,
+                                            extra_body={"return_token_ids": True, "draft": draft}, **sampling)
 
 
-def test_the_shipped_drafter_is_found_by_name_and_is_admitted_only_as_a_drafter():
-    path = resolve_model(NAME)
-    assert path == MODELS / NAME
+def test_the_shipped_drafter_is_found_by_name_and_is_admitted_only_as_a_drafter(pair):
+    name, target = pair
+    path = resolve_model(name)
+    assert path == MODELS / name
     ckpt = Checkpoint.open(path)
     assert drafter_only(ckpt)
     assert ckpt.config["dflash_config"]["enable_confidence_head"] is True
     assert sum(f.stat().st_size for f in path.iterdir()) <= 8 * 2**20
     assert json.loads((path / "config.json").read_text())["dflash_config"]["num_target_layers"] == \
-        json.loads((resolve_model(TARGET) / "config.json").read_text())["num_hidden_layers"]
+        json.loads((resolve_model(target) / "config.json").read_text())["num_hidden_layers"]
 
 
-def test_the_shipped_drafters_own_blocks_land_on_code_without_copy_drafts():
-    target = load_target(TARGET, ServeOptions(dtype="float32"))
-    drafter = start_drafter(NAME, target.model, target.tokenizer)
+def test_the_shipped_drafters_own_blocks_land_on_code_without_copy_drafts(pair):
+    name, target_name = pair
+    target = load_target(target_name, ServeOptions(dtype="float32"))
+    drafter = start_drafter(name, target.model, target.tokenizer)
     tokens = kept = 0
     try:
         for prompt in PROMPTS + CONTEXTS:
