@@ -35,6 +35,7 @@ class Cell:
 
 
 def all_cells(drafter: str) -> list[Cell]:
+    """Every way of decoding the bench knows, its DSpark cells drafting with `drafter`."""
     return [
         Cell("plain", "`--drafter none`, requests `\"draft\": false` (the reference)", ("--drafter", "none"), False),
         Cell("copy", "`--drafter none`, requests drafted (copy drafts only)", ("--drafter", "none"), True),
