@@ -52,10 +52,14 @@ class PackedLinear(nn.QuantizedLinear):
 
 class PackedEmbedding(nn.QuantizedEmbedding):
     """An embedding's affine codes; read as a tied head (`as_linear`), a call of `unpack_from` rows or more unpacks
-    (or reads `unpacked`, as PackedLinear)."""
+    (or reads `unpacked`, as PackedLinear); a lookup reads `unpacked` where the codes were unpacked once."""
 
     unpack_from: int | None = None
     unpacked: mx.array | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # dequantizing is elementwise, so the unpacked rows are the looked-up codes' bits in one gather (not four)
+        return super().__call__(x) if self.unpacked is None else self.unpacked[x]
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _unpacked_product(self, x)

@@ -68,6 +68,22 @@ def test_codes_unpacked_once_give_the_packed_result_and_stay_out_of_the_paramete
     assert [name for name, _ in tree_flatten(model.parameters())] == names  # the codes stay the weights
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_lookup_through_codes_unpacked_once_is_the_packed_lookup_bit_for_bit(bits):
+    mx.random.seed(5)
+    embedding = nn.QuantizedEmbedding.from_embedding(nn.Embedding(300, 128), 32, bits)
+    ids = mx.array([[0, 7, 7], [299, 31, 150]], dtype=mx.uint32)
+    in_place = embedding(ids)
+    holder = nn.Sequential(embedding)
+    assert unpack_once(holder) == 1
+    looked_up = holder.layers[0]
+    assert looked_up.unpacked is not None
+    assert looked_up(ids).shape == in_place.shape == (2, 3, 128)
+    assert mx.array_equal(looked_up(ids), in_place).item()
+    object.__setattr__(looked_up, "unpacked", mx.zeros_like(looked_up.unpacked))
+    assert not mx.any(looked_up(ids)).item()  # the lookup read the unpacked copy, not the codes
+
+
 def test_codes_whose_unpacked_copy_would_pass_the_limit_are_read_in_place():
     model = packed(False)
     x = mx.random.normal((4, 128))

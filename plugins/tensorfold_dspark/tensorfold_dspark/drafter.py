@@ -338,19 +338,31 @@ class DSparkDrafter:
         final = self.model.blocks(self.target.embed(mx.array(ids, dtype=mx.uint32)), blocks)
         logits = self.target.head(final)
         previous = mx.array([context[-1] for context in contexts], dtype=mx.uint32)
-        steps, flags, chances = [], [], []
+        steps, flags, rows, before = [], [], [], []
         for step in range(depths[0]):
             m = sum(1 for d in depths if d > step)
-            at = mx.array([block.start + step for block in blocks[:m]])
+            rows.append([block.start + step for block in blocks[:m]])
             previous = previous[:m]
-            token, flag = markov_pick(logits[at], self.model.markov_head, previous)
+            before.append(previous)
+            token, flag = markov_pick(logits[mx.array(rows[-1])], self.model.markov_head, previous)
             flags.append(flag)
-            chance = self.model.confidence(final[at], previous)
-            if chance is not None:
-                chances.append(chance)
             steps.append(token)
             previous = token.astype(mx.uint32)
-        return steps, flags, chances
+        return steps, flags, self._confidences(final, rows, before)
+
+    def _confidences(self, final: mx.array, rows: list[list[int]], before: list[mx.array]) -> list[mx.array]:
+        """Each step's confidences, from one call over every step's rows (none reads a confidence, so they wait
+        for the last pick): per step, the rows' final states and the tokens before their drafts; [] with no head."""
+        joined = [r for step in rows for r in step]
+        chance = self.model.confidence(final[mx.array(joined)], before[0] if len(before) == 1 else
+                                       mx.concatenate(before))
+        if chance is None:
+            return []
+        out, at = [], 0
+        for step in rows:
+            out.append(chance[at:at + len(step)])
+            at += len(step)
+        return out
 
     def _drop(self, lanes: list[Lane]) -> None:
         """Lanes whose arrays hold a graph that failed: their streams start afresh at the next ask."""
