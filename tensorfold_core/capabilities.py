@@ -28,6 +28,7 @@ def capabilities(options: ServeOptions, extra: dict | None = None, registry: Reg
         "families": [{"name": f.name, "model_types": list(f.model_types),
                       **({"kernels": describe(f.kernels)} if f.kernels else {})} for f in reg.families()],
         "drafters": [d.name for d in reg.drafters()],
+        "drafter_kernels": {d.name: describe(d.kernels) for d in reg.drafters() if d.kernels},
         "models": [{"name": m.name, "role": m.role, "default": m.default} for m in reg.models()],
         "plugins": reg.roll_call(),
         "serve_flags": serve_flags(reg),

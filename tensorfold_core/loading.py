@@ -261,7 +261,8 @@ def load_host(model: str | None, options: ServeOptions, progress: Progress = lam
     model_id = options.model_name or target.name
     info = {"model": model_id, "row_invariance": target.probe, "checkpoint": str(target.checkpoint.path),
             "model_type": target.checkpoint.model_type, "drafter": draft_name if drafter is not None else None,
-            "kernels": {"backend": backend(), "serving": target.model.kernels}}
+            "kernels": {"backend": backend(), "serving": target.model.kernels,
+                        **({"drafter": drafter.kernels} if getattr(drafter, "kernels", None) else {})}}
     return Host(target.model, target.tokenizer, options, model_id=model_id, context=target.context(options.context),
                 capabilities=capabilities(options, extra=info), drafter=drafter, timed=timed,
                 group=target.model if joined is not None else None)

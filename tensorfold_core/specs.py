@@ -107,9 +107,12 @@ class DrafterKind:
     admit: AdmitDrafter
     start: StartDrafter
     description: str = ""
+    # which implementation backs each of the drafter's own ops on each backend, as a family's `kernels` (empty: the
+    # drafter runs a family's model, whose table says it, or MLX's ops alone)
+    kernels: dict = field(default_factory=dict)
 
     @classmethod
-    def of_module(cls, name: str, module: str, description: str = "") -> "DrafterKind":
+    def of_module(cls, name: str, module: str, description: str = "", kernels: dict | None = None) -> "DrafterKind":
         """A kind whose `matches`, `admit` and `start` live in `module`, imported (and mlx with it) only when a
         drafter is asked for."""
 
@@ -120,7 +123,7 @@ class DrafterKind:
             return call
 
         return cls(name=name, matches=lazy("matches"), admit=lazy("admit"), start=lazy("start"),
-                   description=description)
+                   description=description, kernels=kernels or {})
 
 
 @dataclass(frozen=True)

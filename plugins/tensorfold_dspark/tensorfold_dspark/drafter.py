@@ -21,7 +21,8 @@ from tensorfold_core.specs import DrafterOptions
 
 from .lane import Lane
 from .load import BITS, args_of, load
-from .model import Block, Model, Span, markov_pick
+from .model import Block, Model, Span
+from .serving import markov_picker
 
 CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood aside) is absorbed before the chain
 WARM_UP_ID = -1  # a stream id no lane core hands out
@@ -100,6 +101,8 @@ class DSparkDrafter:
                       if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
         if held_on_target_wanted():
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
+        # the hold's Markov step, and what serves each of the drafter's ops here (ops.py's table)
+        self.pick, self.kernels = markov_picker(model)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
@@ -344,7 +347,7 @@ class DSparkDrafter:
             rows.append([block.start + step for block in blocks[:m]])
             previous = previous[:m]
             before.append(previous)
-            token, flag = markov_pick(logits[mx.array(rows[-1])], self.model.markov_head, previous)
+            token, flag = self.pick(logits[mx.array(rows[-1])], previous)
             flags.append(flag)
             steps.append(token)
             previous = token.astype(mx.uint32)

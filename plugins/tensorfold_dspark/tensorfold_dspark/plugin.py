@@ -17,8 +17,10 @@ SHIPPED = [
 
 @hookimpl
 def tensorfold_drafters():
+    from .ops import OPS
+
     return [DrafterKind.of_module("dspark", "tensorfold_dspark.drafter", description="DSpark: block drafts from the "
-                                  "target's layer taps, Markov and confidence heads")]
+                                  "target's layer taps, Markov and confidence heads", kernels=OPS)]
 
 
 @hookimpl

@@ -45,3 +45,11 @@ def test_a_repeated_prompt_resumes_its_kept_state_and_equals_the_first_reply(cli
     again = ask(client, 0)
     assert again.choices[0].token_ids == first.choices[0].token_ids
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_servers_capabilities_say_what_serves_the_drafters_ops(client):
+    import httpx
+
+    report = httpx.get(str(client.base_url).rstrip("/") + "/capabilities").json()
+    assert report["drafter"] is not None
+    assert report["kernels"]["drafter"] == {"markov pick": "mlx"}  # MLX's ops on the CPU (the table's cpu column)

@@ -136,6 +136,11 @@ class LlamaDrafter:
         self.kept: list[Slot] = []  # released slots, oldest first, adopted by a stream sharing their prefix
         self.stats = dict(proposals=0, forwards=0, rows=0, slot_reuses=0)
 
+    @property
+    def kernels(self) -> dict:
+        """What serves each of the drafter model's row-path ops here (the llama table, as the target's)."""
+        return self.model.kernels
+
     # -- what the ledger reads: a slot is sized at admission and never grows while its stream decodes --
 
     def slot_capacity(self, tokens: int) -> int:
