@@ -1,0 +1,48 @@
+"""A DSpark drafter's hold passes timed as it times them at start, with its op table and with MLX's ops alone,
+interleaved: ms by blocks x depth (best of the rounds), and what served the Markov pick each time."""
+
+# python tools/device/dspark_holds.py [TARGET] [DRAFTER] [--rounds 3] [--dtype bfloat16]
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("target", nargs="?", default="tiny-lfm2-moe")
+    parser.add_argument("drafter", nargs="?", default="tiny-lfm2-moe-dspark")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    from tensorfold_core.loading import load_target, start_drafter
+    from tensorfold_core.options import ServeOptions
+    from tensorfold_dspark.serving import DRAFTER_BUILTIN_ENV
+
+    target = load_target(args.target, ServeOptions(dtype=args.dtype))
+    drafters = {}
+    for label, builtin in (("table", "0"), ("builtin", "1")):
+        os.environ[DRAFTER_BUILTIN_ENV] = builtin
+        drafters[label] = start_drafter(args.drafter, target.model, target.tokenizer)
+        print(f"{label}: {drafters[label].kernels}", flush=True)
+    best: dict[str, dict] = {label: {} for label in drafters}
+    for _ in range(args.rounds):
+        for label, drafter in drafters.items():
+            drafter.time_holds()
+            for point, ms in drafter.holds.points().items():
+                best[label][point] = min(ms, best[label].get(point, ms))
+    points = sorted(best["table"])
+    print("blocks x depth: " + "  ".join(f"{b}x{d}" for b, d in points))
+    for label, times in best.items():
+        print(f"{label:8s} ms: " + "  ".join(f"{times[p]:.2f}" for p in points))
+    print("table / builtin: " + "  ".join(f"{best['table'][p] / best['builtin'][p]:.2f}" for p in points))
+    for drafter in drafters.values():
+        drafter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
