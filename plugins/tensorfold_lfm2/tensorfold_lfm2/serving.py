@@ -30,6 +30,13 @@ class ExpertMatrix(nn.Module):
         # picked there) has no stream in that thread
         mx.eval(self.parameters())
 
+    def __call__(self, x: mx.array) -> mx.array:
+        """x @ W.T by MLX's own ops: where no record serves this projection's op (float32 rows on the CPU)."""
+        if "scales" in self:
+            return mx.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), transpose=True,
+                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return x @ self["weight"].T
+
 
 class ServedConv:
     """The short conv's window through the stream conv record: each row from its stream's committed tail."""

@@ -97,6 +97,21 @@ def test_served_through_its_records_a_moe_block_gives_the_built_in_block_s_rows_
     assert mx.array_equal(ours(rows[7:8]), theirs(rows)[7:8]).item()
 
 
+@pytest.mark.parametrize("name", ["tiny-lfm2-moe", "tiny-lfm2-moe-4bit"])
+def test_in_float32_a_served_moe_blocks_experts_run_mlx_s_matmul_and_give_the_built_in_blocks_rows(name,
+                                                                                                    through_records,
+                                                                                                    monkeypatch):
+    # no GEMV record takes float32 rows: the router's record serves, each picked expert's matrix runs MLX's matmul
+    recorded, _, _ = load_model(name, LoadOptions(dtype="float32"))
+    monkeypatch.setenv(KERNELS_ENV, "builtin")
+    builtin, _, _ = load_model(name, LoadOptions(dtype="float32"))
+    ours, theirs = recorded.model.layers[-1].feed_forward, builtin.model.layers[-1].feed_forward
+    assert isinstance(ours, ServedMoe) and not isinstance(ours.served_gate, RecordLinear)
+    rows = mx.random.normal((40, 256), key=mx.random.key(3)) * 0.5
+    assert mx.allclose(ours(rows), theirs(rows), rtol=1e-5, atol=1e-6).item()
+    assert mx.array_equal(ours(rows[7:8]), ours(rows)[7:8]).item()
+
+
 @pytest.mark.parametrize("compiled", ["0", "1"])
 @pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
 def test_served_through_its_records_concurrent_replies_equal_the_ones_served_alone(name, through_records, monkeypatch,
