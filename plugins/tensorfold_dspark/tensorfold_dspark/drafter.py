@@ -22,7 +22,7 @@ from tensorfold_core.specs import DrafterOptions
 from .lane import Lane
 from .load import BITS, args_of, load
 from .model import Block, Model, Span
-from .serving import markov_picker
+from .serving import serve_kernels
 
 CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood aside) is absorbed before the chain
 WARM_UP_ID = -1  # a stream id no lane core hands out
@@ -102,7 +102,7 @@ class DSparkDrafter:
         if held_on_target_wanted():
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
         # the hold's Markov step, and what serves each of the drafter's ops here (ops.py's table)
-        self.pick, self.kernels = markov_picker(model)
+        self.pick, self.kernels = serve_kernels(model)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before

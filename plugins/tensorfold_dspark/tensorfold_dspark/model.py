@@ -125,6 +125,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        # the block attention record's implementation where the drafter's table serves it (serving.py): q [rows,
+        # heads, head_dim] over the lane's whole buffer and the block's own keys, float32 out; None: MLX's SDPA
+        self.attend = None
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=self.traditional, base=self.rope_theta, scale=1.0,
@@ -153,6 +156,11 @@ class Attention(nn.Module):
         for start, n, offset, lane in blocks:  # projections are packed; attention runs per block on its context
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
             q, k = self.rope(q, offset), self.rope(k, offset)
+            if self.attend is not None:
+                o = self.attend(q[0].transpose(1, 0, 2), lane.keys[layer], lane.values[layer], lane.n, k, v,
+                                self.scale)
+                outs.append(o.reshape(n, -1).astype(x.dtype))
+                continue
             o = block_attention(q, lane.keys[layer], lane.values[layer], lane.n, k, v, self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))

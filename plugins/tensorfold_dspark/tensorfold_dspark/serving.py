@@ -8,6 +8,7 @@ from typing import Callable
 import mlx.core as mx
 
 from tensorfold_core.kernels import BUILTIN, records_served
+from tensorfold_core.row_kernels.attention import SPLIT
 
 from .kernels import records
 from .model import Model, markov_pick
@@ -19,17 +20,30 @@ DRAFTER_BUILTIN_ENV = "TENSORFOLD_DRAFTER_BUILTIN"
 Pick = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]  # (logits rows, previous) -> (ids, NaN flags)
 
 
-def markov_picker(model: Model) -> tuple[Pick, dict[str, str]]:
-    """The hold's Markov step on this backend, and what serves each op (for `capabilities`): the pick record's
-    implementation where the table names one and its inputs fit it, MLX's ops (`model.markov_pick`) otherwise."""
-    builtin = ({op: BUILTIN for op in OPS}, lambda logits, previous: markov_pick(logits, model.markov_head, previous))
+def serve_kernels(model: Model) -> tuple[Pick, dict[str, str]]:
+    """Serve the drafter's ops as its table says on this backend: the hold's Markov step (returned) and each layer's
+    block attention (set on the layers); what serves each op, for `capabilities`. An op whose record does not take
+    the drafter's shapes (codes not 8-bit affine, a head_dim the attention kernels do not take) stays MLX's."""
+    labels = {op: BUILTIN for op in OPS}
+    pick: Pick = lambda logits, previous: markov_pick(logits, model.markov_head, previous)  # noqa: E731
     if os.environ.get(DRAFTER_BUILTIN_ENV) == "1":
-        return builtin[1], builtin[0]
+        return pick, labels
     usable, kind, labels = records_served(OPS, records)
-    head = model.markov_head
-    if "markov pick" not in usable or not _fits(head):
-        return builtin[1], {**labels, "markov pick": BUILTIN} if "markov pick" in usable else labels
-    return _record_pick(head, usable["markov pick"], kind), labels
+    if "markov pick" in usable:
+        if _fits(model.markov_head):
+            pick = _record_pick(model.markov_head, usable["markov pick"], kind)
+        else:
+            labels["markov pick"] = BUILTIN
+    if "block attention" in usable:
+        from .kernels.block_attention import BLOCK_ATTENTION
+
+        dim = model.args.head_dim
+        if dim % 32 or SPLIT % dim:
+            labels["block attention"] = BUILTIN
+        else:
+            for layer in model.layers:
+                layer.self_attn.attend = BLOCK_ATTENTION[kind]
+    return pick, labels
 
 
 def _fits(head) -> bool:

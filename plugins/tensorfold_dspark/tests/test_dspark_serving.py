@@ -1,5 +1,5 @@
-"""The DSpark drafter's op table: MLX's ops on the CPU, the Markov pick record where the table (or
-TENSORFOLD_KERNELS=records) names it, the same drafts either way, and `capabilities` showing which serves."""
+"""The DSpark drafter's op table: MLX's ops on the CPU, the Markov pick and block attention records where the table
+(or TENSORFOLD_KERNELS=records) names them, the same drafts either way, and `capabilities` showing which serves."""
 
 from __future__ import annotations
 
@@ -52,20 +52,24 @@ def test_every_op_in_the_drafters_table_has_a_record_implementing_it_on_each_bac
 
 def test_capabilities_show_the_drafters_table_beside_the_families():
     table = capabilities(ServeOptions())["drafter_kernels"]["dspark"]
-    assert table["backend"] == "cpu" and table["serving"] == {"markov pick": "mlx"}
+    assert table["backend"] == "cpu" and table["serving"] == {"markov pick": "mlx", "block attention": "mlx"}
     assert table["table"]["markov pick"] == {"cpu": "mlx", "cuda": "dspark markov pick", "metal": "dspark markov pick"}
+    assert table["table"]["block attention"]["cuda"] == "dspark block attention"
 
 
-def test_the_pick_record_drafts_what_mlxs_ops_draft(target):
+def test_the_records_served_draft_what_mlxs_ops_draft(target):
     builtin = drafter_with(target, {})
     try:
-        assert builtin.kernels == {"markov pick": "mlx"}
+        assert builtin.kernels == {"markov pick": "mlx", "block attention": "mlx"}
+        assert builtin.model.layers[0].self_attn.attend is None
         want = drafts_of(target, builtin)
     finally:
         builtin.close()
     served = drafter_with(target, {KERNELS_ENV: "records"})
     try:
-        assert served.kernels == {"markov pick": "dspark markov pick (mlx)"}
+        assert served.kernels == {"markov pick": "dspark markov pick (mlx)",
+                                  "block attention": "dspark block attention (mlx)"}
+        assert all(layer.self_attn.attend is not None for layer in served.model.layers)
         got = drafts_of(target, served)
     finally:
         served.close()
@@ -75,6 +79,6 @@ def test_the_pick_record_drafts_what_mlxs_ops_draft(target):
 def test_the_drafter_builtin_knob_keeps_mlxs_ops_whatever_the_table_says(target):
     drafter = drafter_with(target, {KERNELS_ENV: "records", DRAFTER_BUILTIN_ENV: "1"})
     try:
-        assert drafter.kernels == {"markov pick": "mlx"}
+        assert drafter.kernels == {"markov pick": "mlx", "block attention": "mlx"}
     finally:
         drafter.close()
