@@ -205,6 +205,9 @@ def served_accepted_per_block(drafter: DSparkDrafter, target: Target, seqs: torc
             "prompt_len": prompt_len, "tokens": tokens}
 
 
+RESIZE_EVERY = 500  # steps between re-sizings of a timed run's schedule
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -285,18 +288,27 @@ def main() -> None:
                             lr=args.lr, betas=(0.9, 0.95), fused=device == "cuda")
     steps, warmup, step, t_train, curve = args.steps, 100, 0, time.time(), []
     half = args.batch // 2
+    sized, t_calib, calibrated = args.steps is None, time.time(), 0
     while steps is None or step < steps:
-        if steps is None and step == 25:  # size the cosine schedule from the measured step time
+        # size the cosine schedule from the measured step time at step 25, then again every RESIZE_EVERY steps from
+        # the pace so far: steps slowed ~40% after the first ones on the H200 (2026-12-05), and a run sized once
+        # stopped at its wall time before its cosine ended
+        if sized and (step == 25 or (step > 25 and step % RESIZE_EVERY == 0)):
             if device == "cuda":
                 torch.cuda.synchronize()
-            per = (time.time() - t_calib) / 20
-            budget = min(args.budget_s, args.wall_s - (time.time() - t0) - 45)  # 45 s kept for the eval and save
-            steps = max(step + 1, int(budget / (per * args.slack)))
-            log(f"{per * 1e3:.1f} ms/step -> {steps} steps")
+            now = time.time()
+            per = (now - t_calib) / (step - calibrated)  # the pace since the last sizing
+            t_calib, calibrated = now, step
+            if steps is None:  # 45 s kept for the eval and save
+                end = now + min(args.budget_s - (now - t_train), args.wall_s - (now - t0) - 45)
+            resized = max(step + 1, step + int(max(0.0, end - now) / (per * args.slack)))
+            if resized != steps:
+                log(f"{per * 1e3:.1f} ms/step -> {resized} steps" + (f" (was {steps})" if steps else ""))
+            steps = resized
         if step == 5:
             if device == "cuda":
                 torch.cuda.synchronize()
-            t_calib = time.time()
+            t_calib, calibrated = time.time(), step
         pick = torch.randint(0, greedy.shape[0], (args.batch - half,), generator=gen).to(device)
         ids = torch.cat([windows(data["train"], half, args.length, gen), greedy[pick]])
         anchors = anchors_of(ids.shape[0], ids.shape[1], args.anchors, spec.block_size, 1, gen, device)
