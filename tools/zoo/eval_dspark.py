@@ -35,8 +35,10 @@ def main() -> None:
     starts = np.linspace(0, heldout.size - args.prompt_len - 1, args.prompts).astype(int)
     target = load_target(args.target, ServeOptions(dtype="float32"))
     drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions(dtype="float32"))
+    chances = recorded_chances(drafter)
     t0 = time.time()
     per_block, equal, tokens, decode_rounds = Counter(), 0, 0, 0
+    pairs: list[tuple[list[float], int]] = []  # (a block's chances, drafts the verify kept)
     for start in starts:
         request = GenerationRequest(prompt_ids=heldout[start:start + args.prompt_len].tolist(),
                                     max_tokens=args.tokens, stop_token_ids=frozenset())
@@ -45,13 +47,16 @@ def main() -> None:
         want, _, _ = decode(plain, request, capacity)
         engine = Engine(target.model, shared_rounds=target.row_invariant, drafter=drafter, fixed_depth=args.depth,
                         copy_drafts=False)
+        chances.clear()
         got, rounds, _ = decode(engine, request, capacity)
         equal += got == want
         tokens += len(got)
         decode_rounds += sum(1 for r in rounds if r["tokens"])
-        for r in rounds:
-            if r["drafted"]:
-                per_block[r["kept"]] += 1
+        drafted = [r for r in rounds if r["drafted"]]
+        for r in drafted:
+            per_block[r["kept"]] += 1
+        if len(chances) == len(drafted):  # one hold a drafted round: its chances price that round's verify
+            pairs += [(c, r["kept"]) for c, r in zip(chances, drafted) if c]
     blocks = sum(per_block.values())
     kept = sum(k * n for k, n in per_block.items())
     out = {"target": args.target, "drafter": args.drafter, "dtype": "float32", "drafter_bits": 8,
@@ -60,10 +65,40 @@ def main() -> None:
            "accepted_per_block": round(kept / blocks, 3) if blocks else 0.0,
            "tokens_per_round": round(tokens / max(1, decode_rounds), 3),
            "accepted_histogram": {str(k): per_block[k] for k in range(args.depth + 1)},
-           "eval_s": round(time.time() - t0, 1)}
+           "calibration": calibration(pairs, args.depth), "eval_s": round(time.time() - t0, 1)}
     drafter.close()
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
+
+
+def recorded_chances(drafter) -> list:
+    """Each hold's chances as the drafter settles them (its streams' running products), in hold order."""
+    out: list = []
+    propose = drafter.propose
+
+    def recorded(asks):
+        drafts = propose(asks)
+        out.extend(drafter.chances(ask.stream_id) for ask in asks)
+        return drafts
+
+    drafter.propose = recorded
+    return out
+
+
+def calibration(pairs: list[tuple[list[float], int]], depth: int) -> dict:
+    """How the confidence head's chances meet what the verify kept: per draft j, the mean chance that it and every
+    draft before it land against the share of blocks that kept at least j; and the expected drafts a block (the
+    chances' sum, what the grants price) against those kept."""
+    by_draft = []
+    for j in range(depth):
+        held = [(c[j], kept > j) for c, kept in pairs if len(c) > j]
+        if held:
+            by_draft.append({"draft": j + 1, "blocks": len(held), "mean_chance": round(float(np.mean([h[0] for h in held])), 3),
+                             "kept_share": round(float(np.mean([h[1] for h in held])), 3)})
+    expected = sum(sum(c) for c, _ in pairs)
+    kept = sum(min(k, len(c)) for c, k in pairs)
+    return {"blocks": len(pairs), "expected_per_block": round(expected / max(1, len(pairs)), 3),
+            "kept_per_block": round(kept / max(1, len(pairs)), 3), "by_draft": by_draft}
 
 
 if __name__ == "__main__":
