@@ -36,7 +36,7 @@ def main() -> int:
     from tensorfold_core.protocols import DraftAsk
     from tensorfold_core.specs import DrafterOptions
     from tensorfold_dspark.drafter import HOLD_ROWS, DSparkDrafter
-    from tensorfold_dspark.model import Block, markov_pick
+    from tensorfold_dspark.model import Block
 
     name = sys.argv[1] if len(sys.argv) > 1 else "tiny-lfm2"
     target_dir = resolve_model(name)
@@ -69,8 +69,8 @@ def main() -> int:
             part("target head", logits)
             previous = mx.zeros((len(lanes),), mx.uint32)
             at = mx.array([b.start for b in blocks_])
-            token, flag = markov_pick(logits[at], drafter.model.markov_head, previous)
-            part("markov pick", token, flag)
+            token, flag = drafter.pick(logits[at], previous)  # the served step: the record's launch where it serves
+            part(f"markov pick ({drafter.kernels.get('markov pick', 'mlx')})", token, flag)
             chance = drafter.model.confidence(final[at], previous)
             part("confidence", *([] if chance is None else [chance]))
             for i in ids:
