@@ -14,6 +14,8 @@ KERNELS_ENV = "TENSORFOLD_KERNELS"  # "builtin" or "records": override the table
 # ops (comma-separated, as the table names them) left to MLX on top of the rest: a measurement's attribution of time
 BUILTIN_OPS_ENV = "TENSORFOLD_KERNELS_BUILTIN"
 RECORDS_KIND = {"cpu": "mlx", "cuda": "cuda", "metal": "metal"}  # a record's implementation each backend runs
+# "1": a drafter runs MLX's own ops instead of the kernel tables (a measurement: bench variant `:drafter-builtin`)
+DRAFTER_BUILTIN_ENV = "TENSORFOLD_DRAFTER_BUILTIN"
 
 
 def backend() -> str:

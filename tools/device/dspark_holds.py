@@ -24,7 +24,7 @@ def main() -> int:
 
     from tensorfold_core.loading import load_target, start_drafter
     from tensorfold_core.options import ServeOptions
-    from tensorfold_dspark.serving import DRAFTER_BUILTIN_ENV
+    from tensorfold_core.kernels import DRAFTER_BUILTIN_ENV
 
     target = load_target(args.target, ServeOptions(dtype=args.dtype))
     drafters = {}

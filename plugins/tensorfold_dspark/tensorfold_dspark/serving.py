@@ -7,15 +7,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-from tensorfold_core.kernels import BUILTIN, records_served
+from tensorfold_core.kernels import BUILTIN, DRAFTER_BUILTIN_ENV, records_served
 from tensorfold_core.row_kernels.attention import SPLIT
 
 from .kernels import records
 from .model import Model, markov_pick
 from .ops import OPS
-
-# "1": the drafter runs MLX's own ops instead of its table (the llama drafter's knob: bench variant `:drafter-builtin`)
-DRAFTER_BUILTIN_ENV = "TENSORFOLD_DRAFTER_BUILTIN"
 
 Pick = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]  # (logits rows, previous) -> (ids, NaN flags)
 
@@ -24,11 +21,13 @@ def serve_kernels(model: Model) -> tuple[Pick, dict[str, str]]:
     """Serve the drafter's ops as its table says on this backend: the hold's Markov step (returned) and each layer's
     block attention (set on the layers); what serves each op, for `capabilities`. An op whose record does not take
     the drafter's shapes (codes not 8-bit affine, a head_dim the attention kernels do not take) stays MLX's."""
-    labels = {op: BUILTIN for op in OPS}
-    pick: Pick = lambda logits, previous: markov_pick(logits, model.markov_head, previous)  # noqa: E731
+    def mlx_pick(logits: mx.array, previous: mx.array) -> tuple[mx.array, mx.array]:
+        return markov_pick(logits, model.markov_head, previous)
+
     if os.environ.get(DRAFTER_BUILTIN_ENV) == "1":
-        return pick, labels
+        return mlx_pick, {op: BUILTIN for op in OPS}
     usable, kind, labels = records_served(OPS, records)
+    pick: Pick = mlx_pick
     if "markov pick" in usable:
         if _fits(model.markov_head):
             pick = _record_pick(model.markov_head, usable["markov pick"], kind)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tensorfold_core.capabilities import capabilities
-from tensorfold_core.kernels import KERNELS_ENV, missing_records
+from tensorfold_core.kernels import DRAFTER_BUILTIN_ENV, KERNELS_ENV, missing_records
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import DraftAsk
 from tensorfold_dspark.kernels import records
 from tensorfold_dspark.ops import OPS
-from tensorfold_dspark.serving import DRAFTER_BUILTIN_ENV
 
 from test_dspark_pricing import NAME, TARGET
 

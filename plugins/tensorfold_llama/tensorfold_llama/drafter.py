@@ -13,6 +13,7 @@ import mlx.core as mx
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import CheckpointError, DrafterError
 from tensorfold_core.families import GROW_STEP
+from tensorfold_core.kernels import DRAFTER_BUILTIN_ENV
 from tensorfold_core.protocols import DEPTH_RULE, DraftAsk, HeldDrafts, Model as TargetModel, held_on_target_wanted
 from tensorfold_core.quantized import serve_codes
 from tensorfold_core.sequences import common_prefix
@@ -25,9 +26,6 @@ from .model import Model
 MODEL_TYPES = ("llama", "mistral")
 BITS = (0, 4, 8)
 WARM_UP_ID = -1  # a stream id no lane core hands out
-# "1": the drafter runs MLX's own ops instead of the kernel table the target serves (a measurement: bench variant
-# `:drafter-builtin`; on the H200 a chain through MLX's ops cost about twice the table's, docs/performance.md)
-DRAFTER_BUILTIN_ENV = "TENSORFOLD_DRAFTER_BUILTIN"
 
 
 # ---- admission: which checkpoints, which width (core has checked the tokenizer) ----
