@@ -356,11 +356,11 @@ class DSparkDrafter:
     def _confidences(self, final: mx.array, rows: list[list[int]], before: list[mx.array]) -> list[mx.array]:
         """Each step's confidences, from one call over every step's rows (none reads a confidence, so they wait
         for the last pick): per step, the rows' final states and the tokens before their drafts; [] with no head."""
+        if not self.model.args.confidence:
+            return []
         joined = [r for step in rows for r in step]
         chance = self.model.confidence(final[mx.array(joined)], before[0] if len(before) == 1 else
                                        mx.concatenate(before))
-        if chance is None:
-            return []
         out, at = [], 0
         for step in rows:
             out.append(chance[at:at + len(step)])
