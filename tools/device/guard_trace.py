@@ -1,0 +1,86 @@
+"""What the shared guard sees at N streams: every round it measures and every verdict, pass after pass.
+
+    python3 tools/device/guard_trace.py TARGET DRAFTER [--streams 8] [--passes 5] [--tokens 128] [--width 2500]
+
+Each pass decodes the same N code prompts at once on a plain engine, then on the served one (one engine for every
+pass, as a server keeps one), checks the served replies equal the plain ones, and prints both rates with the
+guard's log: `p8/5.1` a plain round of 8 streams that committed 8 tokens in 5.1 ms, `D37/8.9` a drafted one, `*` a
+round in the mode the guard did not ask for, and each verdict between bars (each mode's rate in tokens a ms, the
+mode it runs next, and for how many rounds). Drafted rounds far slower than their neighbours are what a measure of
+four rounds can pick plain on, and a plain verdict runs 512 rounds. Run it through `run_on_h200.sh exec`, with
+MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=0: contract/receipts/h200-2026-12-05d/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+
+def traced_guard(log: list[str]) -> None:
+    """Log every round the shared guard observes and every verdict it reaches into `log`."""
+    from tensorfold_core.lanes.guards import SharedGuard
+
+    observe, verdict = SharedGuard.observe, SharedGuard._next
+
+    def logged_observe(self, streams, drafted, tokens, ms, catch_up=0.0):
+        unasked = "*" if drafted != self._band(streams).drafted else ""
+        log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}")
+        return observe(self, streams, drafted, tokens, ms, catch_up)
+
+    def logged_verdict(self, entry):
+        verdict(self, entry)
+        rate = lambda r: "-" if r is None else f"{r:.2f}"
+        log.append(f"|plain {rate(entry.rates[False])} drafted {rate(entry.rates[True])} -> "
+                   f"{'drafted' if entry.drafted else 'plain'} {'run' if entry.running else 'measure'} {entry.run}|")
+
+    SharedGuard.observe, SharedGuard._next = logged_observe, logged_verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench_gpu_pair import together
+    from common import CODE_PROMPTS
+
+    from tensorfold_core.lanes.engine import Engine
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.loading import load_target, start_drafter
+    from tensorfold_core.options import ServeOptions
+    from tensorfold_core.specs import DrafterOptions
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("drafter")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--width", type=int, default=2500, help="characters of each pass's log printed")
+    args = parser.parse_args(argv)
+
+    target = load_target(args.target, ServeOptions())
+    drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
+    model, log = target.model, []
+    traced_guard(log)
+    requests = lambda: [GenerationRequest(prompt_ids=target.tokenizer.encode(CODE_PROMPTS[i % len(CODE_PROMPTS)]),
+                                          max_tokens=args.tokens, stop_token_ids=frozenset())
+                        for i in range(args.streams)]
+    plain = Engine(model, shared_rounds=target.row_invariant)
+    served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
+    for n in range(args.passes):  # the first pass builds every kernel and shape, and the guard's first verdicts
+        plain_ids, plain_s = together(model, plain, requests())
+        log.clear()
+        served_ids, served_s = together(model, served, requests())
+        if served_ids != plain_ids:
+            print(f"pass {n}: the served replies differ from the plain ones", file=sys.stderr)
+            return 1
+        tokens = sum(map(len, served_ids))
+        print(f"pass {n}: plain {tokens / plain_s:.1f} tok/s, served {tokens / served_s:.1f} tok/s "
+              f"({plain_s / served_s:.2f}x)")
+        print("  " + " ".join(log)[:args.width])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
