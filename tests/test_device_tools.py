@@ -1,4 +1,5 @@
-"""The GPU steps' small tools run here too: the load-time tool and the decode profile, each on the tiny pair."""
+"""The GPU steps' small tools run here too: the load-time tool, the decode profile and the guard trace, each on the
+tiny pair."""
 
 from __future__ import annotations
 
@@ -33,3 +34,18 @@ def test_the_decode_profile_prints_each_engine_s_rate_phases_and_profile_and_dum
     assert done.stdout.count("(ms a round,") == 4 and "function calls" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1-plain.prof", "1-served.prof", "2-plain.prof",
                                                           "2-served.prof"]
+
+
+def test_the_guard_trace_logs_each_measured_round_and_the_verdict_that_follows_them():
+    models = resolve_model("tiny-llama").parent
+    done = subprocess.run([sys.executable, str(TOOLS / "guard_trace.py"), str(models / "tiny-llama"),
+                           str(models / "tiny-llama-drafter"), "--streams", "2", "--passes", "2", "--tokens", "40"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[::2]] == ["pass 0", "pass 1"]
+    first = lines[1].split()
+    # the guard measures 16 plain rounds of the 2-stream band (the first of them uncounted), then says what runs next
+    assert all(word.startswith("p2/") for word in first[:17])
+    assert first[17:20] == ["|2", "streams:", "plain"] and first[22:24] == ["-", "->"]
+    assert first[24] in ("drafted", "plain") and first[25] in ("measure", "run")

@@ -33,8 +33,10 @@ def traced_guard(log: list[str]) -> None:
 
     def logged_verdict(self, entry):
         verdict(self, entry)
+        key = next(k for k, e in self._bands.items() if e is entry)
+        streams = f"{2 ** (key - 1) + 1}-{2 ** key}" if key > 1 else str(key + 1)  # SharedGuard.band's inverse
         rate = lambda r: "-" if r is None else f"{r:.2f}"
-        log.append(f"|plain {rate(entry.rates[False])} drafted {rate(entry.rates[True])} -> "
+        log.append(f"|{streams} streams: plain {rate(entry.rates[False])} drafted {rate(entry.rates[True])} -> "
                    f"{'drafted' if entry.drafted else 'plain'} {'run' if entry.running else 'measure'} {entry.run}|")
 
     SharedGuard.observe, SharedGuard._next = logged_observe, logged_verdict
