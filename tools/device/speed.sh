@@ -23,10 +23,14 @@
 #             once per KERNEL_KNOBS entry (space-separated; "-" for none, "+" joins two settings in one entry,
 #             e.g. "- TENSORFOLD_GEMV_NARROW=8 TENSORFOLD_ROPE_IN=1+TENSORFOLD_DEVICE_STEP_ARRAYS=0"); the first also
 #             builds every kernel, so give CAP_KERNELS room for it
+#   graphs    the shared guard's log at 8 streams (tools/device/guard_trace.py) once per GRAPH_KNOBS entry (as
+#             KERNEL_KNOBS; default "- MLX_MAX_OPS_PER_BUFFER=10 MLX_MAX_OPS_PER_BUFFER=5 MLX_MAX_OPS_PER_BUFFER=2
+#             MLX_USE_CUDA_GRAPHS=0": how MLX cuts rounds into CUDA graphs), on GRAPH_PAIR (default the tiny-lfm2
+#             DSpark pair: carry its drafter's dir, stage.sh weights leaves it out)
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
-# CAP_LOAD=150, CAP_KERNELS=240, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
+# CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
 # Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
 # (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
 # the contract's inputs.
@@ -78,6 +82,13 @@ for what in "${@:-bench pair exact contract affine}"; do
           /tmp/b1 --warm --steps 4 --top 8 2>&1 | grep -v '^kernels\|^probe'; done" \
           step kernels "${CAP_KERNELS:-240}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/kernels.txt" ;;
+      graphs)
+        OUT=$receipt TF_EXEC="for knob in ${GRAPH_KNOBS:-- MLX_MAX_OPS_PER_BUFFER=10 MLX_MAX_OPS_PER_BUFFER=5 \
+          MLX_MAX_OPS_PER_BUFFER=2 MLX_USE_CUDA_GRAPHS=0}; do echo \"== knob \$knob\"; \
+          env \$([ \"\$knob\" = - ] || echo \$knob | tr + ' ') python3 tools/device/guard_trace.py \
+          ${GRAPH_PAIR:-tiny-lfm2 tiny-lfm2-dspark} --streams 8 --passes 4 --width 600; done" \
+          step graphs "${CAP_GRAPHS:-200}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/graphs.txt" ;;
       launch|tiles)
         tiles="bench/bench_gemv_tiles.py --seconds 150 ${TILES_ARGS:-}"
         script=$([ "$name" = launch ] && echo bench/bench_launch.py || echo "$tiles")
@@ -96,7 +107,7 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, token, normed, exact, load, kernels, contract, affine, launch, tiles)" >&2
+      *) echo "unknown step $name (bench, pair, token, normed, exact, load, kernels, graphs, contract, affine, launch, tiles)" >&2
          exit 2 ;;
     esac
   done
