@@ -9,6 +9,7 @@ import inspect
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import openai
@@ -67,20 +68,42 @@ def workload(args) -> list[list[int]]:
     return tokenize(CODE_PROMPTS[:args.prompts or len(CODE_PROMPTS)], args.pair)
 
 
-def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
-    """A fresh server; every prompt once, `streams` at a time; the replies and the decode rate."""
-    flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags, *args.serve_flags.split()]
-    target = args.pair
-    with server(target, *flags, env={**blas_env(args.blas), **dict(cell.env)}) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
-        send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=target, **sampling(args, i))
-        complete(client, tokenize([WARM_UP], target)[0], 8, draft=cell.draft, model=target)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(streams) as pool:
-            replies = list(pool.map(send, range(len(prompts))))
-        wall = time.perf_counter() - start
-    tokens = sum(len(r["ids"]) for r in replies)
-    return {"replies": replies, "rate": tokens / wall}
+def cell_server(cell: Cell, streams: int, args):
+    """The cell's server (a context manager giving its url), sized for `streams` replies at once; a kept one keeps
+    no prompt states, or each rep after the first would copy its replies whole from the last rep's (Recall)."""
+    kept = ["--prompt-cache-gib", "0"] if args.warm else []
+    flags = ["--dtype", args.dtype, "--parallel", str(max(4, streams)), *cell.flags, *kept, *args.serve_flags.split()]
+    return server(args.pair, *flags, env={**blas_env(args.blas), **dict(cell.env)})
+
+
+def decode_all(url: str, cell: Cell, streams: int, prompts: list[list[int]], args) -> dict:
+    """Every prompt once, `streams` at a time, on the server at `url`; the replies and the decode rate."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
+    send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=args.pair, **sampling(args, i))
+    complete(client, tokenize([WARM_UP], args.pair)[0], 8, draft=cell.draft, model=args.pair)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        replies = list(pool.map(send, range(len(prompts))))
+    wall = time.perf_counter() - start
+    return {"replies": replies, "rate": sum(len(r["ids"]) for r in replies) / wall}
+
+
+def warm_workload(args) -> list[list[int]]:
+    """Prompts of the workload's kind that no timed request repeats (a kept server would copy a repeated request's
+    reply from its kept state): other random ids, or stdlib source cut to the code prompts' length."""
+    if args.workload == "random":
+        return random_prompts(args.prompts or 8, 64, seed=1)
+    texts = [inspect.getsource(importlib.import_module(m)) for m in LONG_MODULES[:args.prompts or 4]]
+    length = LONG_TOKENS if args.workload == "long" else 160
+    return [ids[-length:] for ids in tokenize(texts, args.pair)]
+
+
+def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args, urls: dict[str, str]) -> dict:
+    """The cell's kept server where `--warm` started one (`urls`), else a fresh one: the replies and the rate."""
+    if cell.name in urls:
+        return decode_all(urls[cell.name], cell, streams, prompts, args)
+    with cell_server(cell, streams, args) as url:
+        return decode_all(url, cell, streams, prompts, args)
 
 
 def columns(runs: list[dict]) -> tuple[str, str]:
@@ -113,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     names = ", ".join(c.name for c in all_cells("DRAFTER"))
     parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"comma list of {names}; "
                         f"{BASELINE} always runs")
+    parser.add_argument("--warm", action="store_true",
+                        help="one server a cell for the whole run, each first decoding prompts of the workload's kind "
+                        "(none a timed one) untimed at every stream count, so the timed reps meet servers whose "
+                        "guards have learned, as on a server that has run a while; their prompt caches off, so no rep "
+                        "copies the last one's replies (default: a fresh server a cell a rep, its learning timed)")
     args = parser.parse_args(argv)
     known = {c.name: c for c in all_cells(PAIRS[args.pair])}
     unknown = [name for name in args.cells.split(",") if name not in known]
@@ -126,16 +154,23 @@ def main(argv: list[str] | None = None) -> int:
            f"{args.sampling}"}.get(args.workload, f"code, {args.sampling}")
     print(f"{args.pair} drafted by {PAIRS[args.pair]}, dtype {args.dtype}; {len(prompts)} prompts ({how}), "
           f"{args.tokens} tokens each; "
-          f"{args.reps} reps; a fresh server per cell, cells in a rotated order"
+          f"{args.reps} reps; " + ("one server a cell, warmed by an untimed pass, no prompt cache" if args.warm else
+                                   "a fresh server per cell") + ", cells in a rotated order"
           + (f"; every server with {args.serve_flags}" if args.serve_flags else ""))
     runs = {(c.name, n): [] for c in cells for n in levels}
-    for rep in range(args.reps):
-        for n in levels:
-            shift = rep % len(cells)
-            for c in cells[shift:] + cells[:shift]:
-                started = time.perf_counter()
-                runs[c.name, n].append(run_cell(c, n, prompts, args))
-                print(f"rep {rep + 1} {c.name} x{n}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    with ExitStack() as kept:
+        urls = {c.name: kept.enter_context(cell_server(c, max(levels), args)) for c in cells} if args.warm else {}
+        warm = warm_workload(args) if args.warm else []
+        for n in levels if args.warm else ():
+            for c in cells:
+                decode_all(urls[c.name], c, n, warm, args)
+        for rep in range(args.reps):
+            for n in levels:
+                shift = rep % len(cells)
+                for c in cells[shift:] + cells[:shift]:
+                    started = time.perf_counter()
+                    runs[c.name, n].append(run_cell(c, n, prompts, args, urls))
+                    print(f"rep {rep + 1} {c.name} x{n}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     reference = [r["ids"] for r in runs[BASELINE, levels[0]][0]["replies"]]
     rows, failures = [], []
     for n in levels:
