@@ -59,12 +59,17 @@ def sampling(args, i: int) -> dict:
     return {"temperature": 0.0, "seed": None} if args.sampling == "greedy" else {"temperature": 0.8, "seed": 100 + i}
 
 
+def stdlib_sources(args) -> list[list[int]]:
+    """The long cell's stdlib modules' own source, tokenized whole."""
+    return tokenize([inspect.getsource(importlib.import_module(m)) for m in LONG_MODULES[:args.prompts or 4]],
+                    args.pair)
+
+
 def workload(args) -> list[list[int]]:
     if args.workload == "random":
         return random_prompts(args.prompts or 8, 64, seed=0)
     if args.workload == "long":
-        texts = [inspect.getsource(importlib.import_module(m)) for m in LONG_MODULES[:args.prompts or 4]]
-        return [ids[:LONG_TOKENS] for ids in tokenize(texts, args.pair)]
+        return [ids[:LONG_TOKENS] for ids in stdlib_sources(args)]
     return tokenize(CODE_PROMPTS[:args.prompts or len(CODE_PROMPTS)], args.pair)
 
 
@@ -93,9 +98,8 @@ def warm_workload(args) -> list[list[int]]:
     reply from its kept state): other random ids, or stdlib source cut to the code prompts' length."""
     if args.workload == "random":
         return random_prompts(args.prompts or 8, 64, seed=1)
-    texts = [inspect.getsource(importlib.import_module(m)) for m in LONG_MODULES[:args.prompts or 4]]
     length = LONG_TOKENS if args.workload == "long" else 160
-    return [ids[-length:] for ids in tokenize(texts, args.pair)]
+    return [ids[-length:] for ids in stdlib_sources(args)]
 
 
 def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args, urls: dict[str, str]) -> dict:
