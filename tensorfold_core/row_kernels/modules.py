@@ -3,6 +3,8 @@ them into a loaded model."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from typing import Callable, Mapping, Sequence
 
@@ -20,7 +22,9 @@ RESIDUAL_ENV = "TENSORFOLD_FUSED_RESIDUAL"
 SWIGLU_ENV = "TENSORFOLD_SWIGLU_IN"
 # "0": a layer's norms launched apart from the q|k|v and gate|up launches that read them (to measure the fold)
 NORM_ENV = "TENSORFOLD_NORM_IN"
-COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled; "1": compiled on any backend (a measurement)
+COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled (a measurement); "1": compiled even untested
+
+log = logging.getLogger(__name__)
 
 
 def projection_op(module: nn.Module, activations: mx.Dtype) -> str | None:
@@ -334,9 +338,24 @@ class ShapeCompiled(KeyCompiled):
 def compiling(usable: Mapping[str, object], kind: str) -> bool:
     """Whether a family compiles its layers' parts: where records serve on a GPU (a compiled call replays the kernels
     it traced, without the Python that builds them again and without MLX's custom-kernel binding, which assembles a
-    kernel's whole source text on every call), or as TENSORFOLD_COMPILE says."""
+    kernel's whole source text on every call), on the CPU where MLX can build its kernels (fewer, fused ops a
+    step), or as TENSORFOLD_COMPILE says."""
     wanted = os.environ.get(COMPILE_ENV, "")
-    return wanted == "1" or (wanted != "0" and kind != "mlx" and bool(usable))
+    if wanted in ("0", "1"):
+        return wanted == "1"
+    return cpu_compiles() if kind == "mlx" else bool(usable)
+
+
+@functools.cache
+def cpu_compiles() -> bool:
+    """Whether MLX's CPU backend builds compiled kernels here: it runs the system's C++ compiler at a kernel's first
+    call, and a machine without one serves its layers op by op (the same bits, a few percent slower)."""
+    try:
+        mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.ones(4, dtype=mx.float32)))
+        return True
+    except Exception as error:  # MLX raises the compiler's failure as it met it
+        log.warning("layers run op by op: MLX could not build a compiled CPU kernel (%s)", error)
+        return False
 
 
 def compile_halves(layers: Sequence[nn.Module], usable: Mapping[str, object], kind: str,
