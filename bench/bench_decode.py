@@ -29,6 +29,7 @@ class Cell:
     draft: bool = True
     mlx_lm: bool = False
     draft_model: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # the server's environment on top of the run's
 
 
 CELLS = [
@@ -37,6 +38,10 @@ CELLS = [
     Cell("serial@drafter", "default drafter, requests `\"draft\": false`", (), False),
     Cell("drafted", "default drafter (tiny-llama-drafter, bf16 checkpoint)"),
     Cell("drafted-4bit", "`--drafter tiny-llama-drafter-4bit`", ("--drafter", "tiny-llama-drafter-4bit")),
+    Cell("serial-op-by-op", "as serial, each layer's parts run op by op (`TENSORFOLD_COMPILE=0`)",
+         ("--drafter", "none"), False, env=(("TENSORFOLD_COMPILE", "0"),)),
+    Cell("drafted-op-by-op", "as drafted, each layer's parts run op by op (`TENSORFOLD_COMPILE=0`)",
+         env=(("TENSORFOLD_COMPILE", "0"),)),
     Cell("mlx-lm", "mlx_lm.stream_generate, same checkpoint dir", mlx_lm=True),
     Cell("mlx-lm-spec", "mlx_lm.stream_generate, draft_model=tiny-llama-drafter", mlx_lm=True,
          draft_model="tiny-llama-drafter"),
@@ -55,7 +60,7 @@ class Result:
 
 def run_tensorfold(cell: Cell, dtype: str, env: dict, prompts: list[list[int]], tokens: int) -> Result:
     flags = ["--dtype", dtype, *cell.flags]
-    with server(MODEL, *flags, env=env) as url:
+    with server(MODEL, *flags, env={**env, **dict(cell.env)}) as url:
         caps = capabilities(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
         complete(client, tokenize([WARM_UP])[0], 8, draft=cell.draft)
