@@ -8,7 +8,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
-from .errors import DrafterError, OptionError
+from .errors import DrafterError
 
 
 @runtime_checkable
@@ -165,20 +165,6 @@ def held_on_target_wanted() -> bool:
         raise DrafterError(f"{HELD_ENV}={chosen!r}: set it to 1 (drafts held on the device), 0 (read back) or unset "
                            "(held on a GPU)")
     return chosen == "1" if chosen else mx.default_device().type == mx.DeviceType.gpu
-
-
-# drafted rounds' varying joins and absorbs evaluated apart: 1 on, 0 or unset off (an opt-in until measured on a GPU)
-ALIGNED_EVALS_ENV = "TENSORFOLD_ALIGNED_EVALS"
-
-
-def aligned_evals_wanted() -> bool:
-    """Whether the parts of a drafted round whose kernel count varies (the drafts joined to their windows, a hold's
-    absorbed rows) are evaluated on their own: MLX's CUDA backend cuts a graph every 20 kernels in launch order, so
-    a varying count ahead of the verify or the hold shifts every later cut and all their graphs are built anew."""
-    chosen = os.environ.get(ALIGNED_EVALS_ENV, "")
-    if chosen not in ("", "0", "1"):
-        raise OptionError(f"{ALIGNED_EVALS_ENV}={chosen!r}: set it to 1 (evaluated apart), 0 or unset (not)")
-    return chosen == "1"
 
 
 MAX_DRAFT_DEPTH = 15  # the most drafts a window carries: 16 verify rows, the widest window the kernels serve

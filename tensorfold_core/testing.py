@@ -314,10 +314,3 @@ def import_cycles(package_dir: Path, package_name: str) -> list[list[str]]:
         if node not in index:
             visit(node)
     return sorted(cycles)
-
-
-def counting_async_evals(monkeypatch) -> list[int]:
-    """From now on (until `monkeypatch` undoes it) every mx.async_eval call is counted: one entry each, its arrays."""
-    calls, launch = [], mx.async_eval
-    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (calls.append(len(arrays)), launch(*arrays))[1])
-    return calls

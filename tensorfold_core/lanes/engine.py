@@ -11,7 +11,7 @@ import numpy as np
 from typing import cast
 
 from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
-                         HoldPricedDrafter, Model, TappedModel, aligned_evals_wanted)
+                         HoldPricedDrafter, Model, TappedModel)
 from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
@@ -62,7 +62,6 @@ class Engine:
         self.ahead = Lookahead(model, lookahead)
         # a round whose every drawing row is plain greedy reads its ids, not its logits rows (TENSORFOLD_DEVICE_GREEDY)
         self.device_greedy = os.environ.get(DEVICE_GREEDY_ENV, "1") != "0"
-        self.aligned_evals = aligned_evals_wanted()  # held drafts' joins evaluated before the verify's forward
         self.id_rounds = 0  # forwards whose draws were read as the device's greedy ids (tests and figures)
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
@@ -334,10 +333,7 @@ class Engine:
             parts.append(mx.array(host, dtype=mx.uint32))
             if held is not None:
                 parts.append(held.ids.astype(mx.uint32))
-        ids = mx.concatenate(parts)
-        if self.aligned_evals:  # the joins' kernels (their count varies round to round) apart from the forward's
-            mx.async_eval(ids)
-        return self.model.forward_ids(caches, ids, [len(t.window) for t in group], rows)
+        return self.model.forward_ids(caches, mx.concatenate(parts), [len(t.window) for t in group], rows)
 
     def _count(self, turn: Turn, accepted: int) -> None:
         sid = turn.stream.id

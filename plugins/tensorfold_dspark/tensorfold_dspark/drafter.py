@@ -15,7 +15,7 @@ from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
 from tensorfold_core.protocols import (DEPTH_RULE, Cache, DraftAsk, DrafterFacts, HeldDrafts, Model as TargetModel,
-                                       TappedModel, aligned_evals_wanted, held_on_target_wanted)
+                                       TappedModel, held_on_target_wanted)
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
 
@@ -101,7 +101,6 @@ class DSparkDrafter:
                       if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
         if held_on_target_wanted():
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
-        self.aligned_evals = aligned_evals_wanted()  # an absorb evaluated before the hold's graph is built
         # the hold's Markov step, and what serves each of the drafter's ops here (ops.py's table)
         self.pick, self.kernels = serve_kernels(model)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
@@ -285,9 +284,6 @@ class DSparkDrafter:
             for layer, per_span in enumerate(layers):
                 lane.write(layer, *per_span[j])
             lane.advance(piece.start, piece.rows.shape[0])
-        if self.aligned_evals:  # its kernels (a count that varies with the pieces) apart from the hold's
-            written = {id(lane): lane for lane, _ in pieces}.values()
-            mx.async_eval([a for lane in written for a in lane.keys + lane.values])
         self.stats["absorbed"] += at
         return at
 

@@ -12,10 +12,9 @@ from tensorfold_core.lanes.constraints import Grammar
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
-from tensorfold_core.protocols import (ALIGNED_EVALS_ENV, HELD_ENV, DraftAsk, HeldDrafts, aligned_evals_wanted,
-                                       held_on_target_wanted)
-from tensorfold_core.testing import counting_async_evals, drive, serial
-from tensorfold_core.errors import DrafterError, OptionError
+from tensorfold_core.protocols import HELD_ENV, DraftAsk, HeldDrafts, held_on_target_wanted
+from tensorfold_core.testing import drive, serial
+from tensorfold_core.errors import DrafterError
 
 from test_dspark_pricing import NAME, TARGET, plain_replies, requests
 
@@ -105,31 +104,3 @@ def test_held_drafts_are_off_on_the_cpu_by_default_and_the_knob_decides_either_w
     monkeypatch.setenv(HELD_ENV, "yes")
     with pytest.raises(DrafterError, match="TENSORFOLD_HELD_ON_TARGET='yes'"):
         held_on_target_wanted()
-
-
-@pytest.mark.parametrize("seeded", [False, True])
-def test_with_aligned_evals_each_absorb_and_each_join_is_evaluated_apart_and_replies_equal_plain(held_pair, plain,
-                                                                                                  seeded, monkeypatch):
-    target, drafter = held_pair
-    replies, launches = {}, {}
-    for aligned in (False, True):
-        monkeypatch.setenv(ALIGNED_EVALS_ENV, "1" if aligned else "0")  # the engine's, read as drive makes it
-        monkeypatch.setattr(drafter, "aligned_evals", aligned)  # the drafter's, read at its start
-        holds = drafter.stats["held"]
-        with monkeypatch.context() as counted:
-            calls = counting_async_evals(counted)
-            replies[aligned] = drive(target.model, drafter, requests(target, seeded), 4, timed=False)
-            launches[aligned] = (len(calls), drafter.stats["held"] - holds)
-    assert replies[True] == replies[False] == plain[seeded]
-    (off, holds_off), (on, holds_on) = launches[False], launches[True]
-    assert holds_on == holds_off > 0 and on >= off + holds_on  # an absorb apart each hold, and a join apart
-
-
-def test_aligned_evals_are_off_unless_asked_and_a_wrong_value_is_refused(monkeypatch):
-    monkeypatch.delenv(ALIGNED_EVALS_ENV, raising=False)
-    assert not aligned_evals_wanted()
-    monkeypatch.setenv(ALIGNED_EVALS_ENV, "1")
-    assert aligned_evals_wanted()
-    monkeypatch.setenv(ALIGNED_EVALS_ENV, "yes")
-    with pytest.raises(OptionError, match="TENSORFOLD_ALIGNED_EVALS='yes'"):
-        aligned_evals_wanted()

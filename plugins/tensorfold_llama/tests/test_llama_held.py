@@ -13,8 +13,8 @@ from tensorfold_core.lanes.constraints import Grammar
 from tensorfold_core.lanes.types import GenerationRequest, SamplingParams
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
-from tensorfold_core.protocols import ALIGNED_EVALS_ENV, HELD_ENV, DraftAsk, HeldDrafts
-from tensorfold_core.testing import counting_async_evals, drive, serial
+from tensorfold_core.protocols import HELD_ENV, DraftAsk, HeldDrafts
+from tensorfold_core.testing import drive, serial
 
 TARGET, NAME = "tiny-llama", "tiny-llama-drafter"
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -101,21 +101,6 @@ def test_replies_with_held_chains_equal_plain_decoding(pair, plain, parallel, se
     # an untimed engine: the guards' clocks stop no stretch, so the drafter drafts in every round it may
     assert drive(target.model, drafter, requests(target, seeded), parallel, timed=False) == plain[seeded]
     assert held and all(held)
-
-
-@pytest.mark.parametrize("seeded", [False, True])
-def test_with_aligned_evals_the_held_chains_joins_are_evaluated_apart_and_replies_equal_plain(pair, plain, seeded,
-                                                                                               monkeypatch):
-    target, drafter = pair
-    replies, launches = {}, {}
-    for aligned in (False, True):
-        monkeypatch.setenv(ALIGNED_EVALS_ENV, "1" if aligned else "0")  # read by each engine drive makes
-        with monkeypatch.context() as counted:
-            calls = counting_async_evals(counted)
-            replies[aligned] = drive(target.model, drafter, requests(target, seeded), 4, timed=False)
-            launches[aligned] = len(calls)
-    assert replies[True] == replies[False] == plain[seeded]
-    assert launches[True] > launches[False]  # one more eval a verify of held drafts
 
 
 @pytest.mark.parametrize("seeded", [False, True])
