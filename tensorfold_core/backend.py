@@ -10,9 +10,13 @@ from .kernels import backend
 
 
 def device_info() -> dict:
+    from .row_kernels.modules import compiling
+
     device = mx.default_device()
+    # on a GPU whether a family compiles depends on its records; on the CPU on MLX's compiler and TENSORFOLD_COMPILE
+    compiled = {"layers_compiled": compiling({}, "mlx")} if backend() == "cpu" else {}
     return {"backend": "cpu" if device.type == mx.cpu else "gpu", "device": str(device),
-            "metal": mx.metal.is_available(), "platform": platform.platform(), "mlx": mx.__version__}
+            "metal": mx.metal.is_available(), "platform": platform.platform(), "mlx": mx.__version__, **compiled}
 
 
 def release_thread() -> None:

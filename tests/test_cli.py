@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
+from tensorfold_core.row_kernels.modules import COMPILE_ENV
 from tensorfold_core.testing import tiny_llama_checkpoint
 
 
-def tensorfold(*args, check=False):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+def tensorfold(*args, check=False, env=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "tensorfold_core", *args], capture_output=True, text=True,
                           env=env, check=check, timeout=300)
 
@@ -45,6 +46,12 @@ def test_capabilities_json_shows_backend_families_row_invariance_and_serve_flags
     assert "llama" in [f["name"] for f in info["families"]]
     assert isinstance(info["row_invariance"]["row_invariant"], bool)
     assert {"parallel", "context", "dtype", "port"} <= set(info["serve_flags"])
+
+
+def test_capabilities_json_says_whether_the_cpu_runs_layers_compiled_or_op_by_op():
+    assert json.loads(tensorfold("capabilities", "--json", check=True).stdout)["layers_compiled"] is True
+    op_by_op = tensorfold("capabilities", "--json", check=True, env={COMPILE_ENV: "0"})
+    assert json.loads(op_by_op.stdout)["layers_compiled"] is False
 
 
 def test_the_backend_probe_leaves_quantized_matmul_unprobed_on_cuda_and_counts_it_not_invariant(monkeypatch):
