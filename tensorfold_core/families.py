@@ -143,6 +143,11 @@ def pack_windows(caches: Sequence[WindowCache], ids: mx.array, lengths: Sequence
     return spans, pick
 
 
+def row_positions(spans: Sequence[Span]) -> mx.array:
+    """Each packed row's absolute position in its stream (int32, made on the host): a rope of one position a row."""
+    return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
+
+
 def close_windows(spans: Sequence[Span], commit: bool) -> None:
     """After the graph is built: hold each window for keep(), or commit all its rows at once."""
     for span in spans:  # offsets were read while the graph was built, so they may move now

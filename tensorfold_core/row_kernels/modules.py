@@ -23,6 +23,8 @@ SWIGLU_ENV = "TENSORFOLD_SWIGLU_IN"
 # "0": a layer's norms launched apart from the q|k|v and gate|up launches that read them (to measure the fold)
 NORM_ENV = "TENSORFOLD_NORM_IN"
 COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled (a measurement); "1": compiled even untested
+# "0": q and k roped a stream at a time in its attention step, not a row at a time in the layer's compiled first part
+ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import mlx.nn as nn
 
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
-                                      packed_ids, picked_logits, swiglu)
+                                      packed_ids, picked_logits, row_positions, swiglu)
 from tensorfold_core.protocols import TappedRows
 
 from .cache import HybridCache, KeptState, Shape
@@ -105,6 +105,9 @@ class Attention(nn.Module):
         # a window-attention record's implementation where the table names one (serving.py): it reads the cache's
         # whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
         self.attend = None
+        # True: q and k come roped from the layer's compiled first part, every row at its own position, one rope for
+        # every stream's rows (serving.py, on the CPU); False: roped per stream in `mix`
+        self.roped = False
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
@@ -115,12 +118,20 @@ class Attention(nn.Module):
         keys = self.k_layernorm(self.k_proj(x).reshape(rows, self.n_kv_heads, -1))
         return queries, keys, self.v_proj(x).reshape(rows, self.n_kv_heads, -1)
 
+    def project_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """`project`, q and k roped at each row's own position (one rope a row, as a window's rope at its offset)."""
+        rows = x.shape[0]
+        queries, keys, values = self.project(x)
+        queries = self.rope(queries[:, :, None], positions).reshape(rows, self.n_heads, -1)
+        return queries, self.rope(keys[:, :, None], positions).reshape(rows, self.n_kv_heads, -1), values
+
     def mix(self, queries: mx.array, keys: mx.array, values: mx.array, spans: Sequence[Span],
             slot: int) -> tuple[mx.array]:
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
-            q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
+            if not self.roped:
+                q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
             k, v = cache.write(slot, k, v)
             if self.attend is not None:
                 o = self.attend(q[0].transpose(1, 0, 2), cache.keys[slot], cache.values[slot], cache.offset,
@@ -200,13 +211,17 @@ class DecoderLayer(nn.Module):
     def before(self, x: mx.array) -> tuple[mx.array, ...]:
         return self.op.project(self.operator_norm(x))
 
+    def before_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, ...]:
+        return self.self_attn.project_roped(self.operator_norm(x), positions)
+
     def after(self, x: mx.array, *mixed: mx.array) -> mx.array:
         h = x + self.op.out(*mixed)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int) -> mx.array:
+    def __call__(self, x: mx.array, spans: Sequence[Span], slot: int, positions: mx.array | None = None) -> mx.array:
         before, after = self.halves or (self.before, self.after)
-        return after(x, *self.op.mix(*before(x), spans, slot))
+        parts = before(x, positions) if self.is_attention_layer and self.self_attn.roped else before(x)
+        return after(x, *self.op.mix(*parts, spans, slot))
 
 
 class Lfm2Model(nn.Module):
@@ -236,6 +251,7 @@ class Model(nn.Module):
         self.kernels: dict = {}  # what serves each row-path op here (serving.serve_kernels fills it at load)
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.reads_on_host = False  # True where served MoE blocks read their picks on the host mid-forward
+        self.roped = False  # True where the attention layers rope a row at a time in their first part (serving.py)
         self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
         self.hidden_size = args.hidden_size
         self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)
@@ -298,8 +314,9 @@ class Model(nn.Module):
         """forward on ids already packed in an mx.array (a drafter's lazy argmaxes); commit keeps every row, no eval."""
         spans, pick = pack_windows(caches, ids, lengths, logit_rows)
         h, outputs = self.model.embed_tokens(ids), {}
+        positions = row_positions(spans) if self.roped else None
         for i, (layer, slot) in enumerate(zip(self.model.layers, self._slots)):
-            h = layer(h, spans, slot)
+            h = layer(h, spans, slot, positions)
             if i in self._tapped:
                 outputs[i] = h
         # the rows stay lazy: a row's taps are computed only if its cache commits it; a forward no window of which

@@ -176,3 +176,30 @@ def test_a_group_rank_compiles_no_layer_part(through_records, monkeypatch):
     monkeypatch.setenv(COMPILE_ENV, "1")
     rank, _, _ = load_model("tiny-lfm2", LoadOptions(dtype="bfloat16", shard=(1, 2)))
     assert all(layer.halves is None for layer in rank.model.layers)  # op by op
+
+
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_the_cpu_attention_layers_rope_a_row_at_a_time_in_their_compiled_part_with_the_logits_of_a_rope_a_stream(
+        name, dtype, monkeypatch):
+    from tensorfold_core.row_kernels.modules import ROPE_ROWS_ENV
+
+    for env in (COMPILE_ENV, KERNELS_ENV, ROPE_ROWS_ENV):  # as shipped
+        monkeypatch.delenv(env, raising=False)
+    served, tokenizer, _ = load_model(name, LoadOptions(dtype=dtype))
+    monkeypatch.setenv(ROPE_ROWS_ENV, "0")
+    per_stream, _, _ = load_model(name, LoadOptions(dtype=dtype))
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    op_by_op, _, _ = load_model(name, LoadOptions(dtype=dtype))
+    attention = [i for i, layer in enumerate(served.model.layers) if layer.is_attention_layer]
+    assert attention and all(served.model.layers[i].self_attn.roped for i in attention) and served.roped
+    assert not any(m.model.layers[attention[0]].self_attn.roped or m.roped for m in (per_stream, op_by_op))
+    models = (served, per_stream, op_by_op)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in models}
+    for windows in (prompts, [[7, 8, 9]] * 3, [[11], [12, 13], [14]]):  # three streams' ragged windows a forward
+        logits = [m.forward(caches[id(m)], windows, [len(w) for w in windows]) for m in models]
+        assert all(mx.array_equal(logits[0], other).item() for other in logits[1:])
+        for m in models:
+            for cache, window in zip(caches[id(m)], windows):
+                m.keep(cache, len(window))

@@ -170,7 +170,8 @@ class Attention(nn.Module):
         # q and k roped, v copied, into their heads from qkv's joined rows in one launch (serving.py, roped only)
         object.__setattr__(self, "rope_qkv", None)
         # True: q and k come roped from the layer's compiled first part, every row at its own position, one launch
-        # for all streams' rows (serving.py, where the window attention record serves); False: roped per stream here
+        # for all streams' rows (serving.py, where the window attention record serves and on the CPU); False: roped
+        # per stream here
         self.roped = False
         # the packed-streams record's implementation where it serves (serving.py): every stream's rows of a forward in
         # one launch a layer, over caches the forward writes after its last layer (Model.forward_streams)
@@ -199,7 +200,7 @@ class Attention(nn.Module):
         """Each stream's rows attend over its own cache (the window's keys written there first); rows packed again."""
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
-            if self.roped:  # q and k roped already: keys into the cache, then the record over its whole buffer
+            if self.roped and self.attend is not None:  # q and k roped: keys into the cache, the record over it all
                 cache.store(layer, keys[start:start + n].transpose(1, 0, 2)[None],
                             values[start:start + n].transpose(1, 0, 2)[None])
                 o = self.attend(queries[start:start + n], cache.keys[layer], cache.values[layer], cache.offset,
@@ -209,7 +210,8 @@ class Attention(nn.Module):
             q = queries[start:start + n].reshape(1, n, self.n_heads, -1).transpose(0, 2, 1, 3)
             k = keys[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
             v = values[start:start + n].reshape(1, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
+            if not self.roped:  # roped rows come roped from the layer's first part
+                q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
             k, v = cache.write(layer, k, v)
             if self.attend is not None:
                 o = self.attend(q[0].transpose(1, 0, 2), cache.keys[layer], cache.values[layer], cache.offset,

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 
-from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (KeyCompiled, RecordLinear, compile_halves, compiling, fused,
-                                                 normed_fused, projection_op, residual_fused, swaps, swiglu_fused)
+from tensorfold_core.kernels import RECORDS_KIND, records_served
+from tensorfold_core.row_kernels.modules import (ROPE_ROWS_ENV, KeyCompiled, RecordLinear, compile_halves, compiling,
+                                                 fused, normed_fused, projection_op, residual_fused, swaps,
+                                                 swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
 
-# where the layers' parts are compiled, q and k are roped in the first part, every row at its own position, one
-# launch for all streams' rows (the default); "0" ropes each stream's window apart, to measure (docs/gpu.md)
-ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 # where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
 # default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
 STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
@@ -137,7 +135,9 @@ def serve_kernels(model, compiled: bool = True) -> dict:
             elif mlp.gate_up is not None and not any(b is not None for b in mlp.gate_up.biases):
                 object.__setattr__(mlp, "down_residual", residual_fused(
                     mlp.down_proj, usable, kind, model.dtype, "projection bf16 swiglu residual"))
-        if attend is not None and os.environ.get(ROPE_ROWS_ENV, "1") != "0":  # rope in the compiled first part
+        # rope in the compiled first part: where the attention record serves, and on the CPU, where MLX's SDPA reads
+        # the window's roped keys from the cache (one fused rope for every stream's rows instead of a rope a stream)
+        if (attend is not None or kind == RECORDS_KIND["cpu"]) and os.environ.get(ROPE_ROWS_ENV, "1") != "0":
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
                 layer.self_attn.roped = True

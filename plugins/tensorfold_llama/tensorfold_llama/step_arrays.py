@@ -10,7 +10,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from tensorfold_core.families import Span
+from tensorfold_core.families import Span, row_positions as host_row_positions
 from tensorfold_core.row_kernels.attention_streams import packed
 from tensorfold_core.row_kernels.modules import ShapeCompiled
 
@@ -33,7 +33,7 @@ def row_positions(spans: Sequence[Span]) -> mx.array:
     """Each packed row's absolute position in its stream, once a forward for every layer's rope and row map: one
     arange a stream, the last run on past the scalar pool's size and the padding cut off by a view."""
     if not device_made():
-        return mx.array([p for _, n, cache, _ in spans for p in range(cache.offset, cache.offset + n)], mx.int32)
+        return host_row_positions(spans)
     bounds = [[cache.offset, cache.offset + n] for _, n, cache, _ in spans if n]
     if not bounds:
         return mx.zeros((0,), mx.int32)

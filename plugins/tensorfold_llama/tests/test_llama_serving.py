@@ -458,33 +458,6 @@ def test_a_model_deeper_than_the_stack_kernel_or_a_forward_of_no_rows_stacks_wit
         assert mx.array_equal(ks, mx.stack(keys, axis=1)).item() and mx.array_equal(vs, ks + 1).item()
 
 
-def test_on_the_cpu_the_table_compiles_each_layer_s_parts_once_a_row_count(monkeypatch):
-    from tensorfold_core.row_kernels.modules import ShapeCompiled
-
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
-    for table in ("table", "records"):  # the CPU serves MLX's ops or the records' mlx implementations
-        monkeypatch.setenv(KERNELS_ENV, table)
-        model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-        assert all(isinstance(half, ShapeCompiled) for half in model.model.layers[0].halves)
-
-
-def test_a_cpu_where_mlx_cannot_build_kernels_serves_its_layers_op_by_op_and_says_why(monkeypatch, caplog):
-    from tensorfold_core.row_kernels.modules import cpu_compiles
-
-    def no_compiler(fn):
-        raise RuntimeError("[Compile::eval_cpu] Failed to compile function")
-
-    monkeypatch.delenv(COMPILE_ENV, raising=False)
-    monkeypatch.setattr(mx, "compile", no_compiler)
-    cpu_compiles.cache_clear()
-    try:
-        model, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
-    finally:
-        cpu_compiles.cache_clear()  # the next test asks MLX again, as a fresh process would
-    assert model.model.layers[0].halves is None  # op by op
-    assert "Failed to compile function" in caplog.text
-
-
 def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
     from tensorfold_core.row_kernels.modules import KeyCompiled, ShapeCompiled
 
