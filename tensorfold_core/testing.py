@@ -314,3 +314,17 @@ def import_cycles(package_dir: Path, package_name: str) -> list[list[str]]:
         if node not in index:
             visit(node)
     return sorted(cycles)
+
+
+def logits_alike(models: list, prompts: list[list[int]]) -> bool:
+    """Three forwards of every model over the same streams' ragged windows (the prompts, three rows each, then one
+    or two rows), each kept whole: whether every model's logits were the first model's bit for bit each time."""
+    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in models}
+    alike = True
+    for windows in (prompts, [[7, 8, 9]] * len(prompts), [[11 + i] * (1 + i % 2) for i in range(len(prompts))]):
+        logits = [m.forward(caches[id(m)], windows, [len(w) for w in windows]) for m in models]
+        alike = alike and all(mx.array_equal(logits[0], other).item() for other in logits[1:])
+        for m in models:
+            for cache, window in zip(caches[id(m)], windows):
+                m.keep(cache, len(window))
+    return alike

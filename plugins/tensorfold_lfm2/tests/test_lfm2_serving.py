@@ -16,7 +16,7 @@ from tensorfold_core.options import ServeOptions
 from tensorfold_core.row_kernels.modules import COMPILE_ENV, RecordLinear, RecordNorm
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.specs import LoadOptions
-from tensorfold_core.testing import Run, serial, solo
+from tensorfold_core.testing import Run, logits_alike, serial, solo
 from tensorfold_lfm2.kernels import records
 from tensorfold_lfm2.ops import OPS
 from tensorfold_lfm2.serving import ServedConv, ServedMoe
@@ -194,12 +194,4 @@ def test_on_the_cpu_attention_layers_rope_a_row_at_a_time_in_their_compiled_part
     attention = [i for i, layer in enumerate(served.model.layers) if layer.is_attention_layer]
     assert attention and all(served.model.layers[i].self_attn.roped for i in attention) and served.roped
     assert not any(m.model.layers[attention[0]].self_attn.roped or m.roped for m in (per_stream, op_by_op))
-    models = (served, per_stream, op_by_op)
-    prompts = [tokenizer.encode(text) for text in PROMPTS]
-    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in models}
-    for windows in (prompts, [[7, 8, 9]] * 3, [[11], [12, 13], [14]]):  # three streams' ragged windows a forward
-        logits = [m.forward(caches[id(m)], windows, [len(w) for w in windows]) for m in models]
-        assert all(mx.array_equal(logits[0], other).item() for other in logits[1:])
-        for m in models:
-            for cache, window in zip(caches[id(m)], windows):
-                m.keep(cache, len(window))
+    assert logits_alike([served, per_stream, op_by_op], [tokenizer.encode(text) for text in PROMPTS])

@@ -10,6 +10,7 @@ from tensorfold_core.kernels import KERNELS_ENV
 from tensorfold_core.loading import load_model
 from tensorfold_core.row_kernels.modules import COMPILE_ENV, ROPE_ROWS_ENV, ShapeCompiled, cpu_compiles
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import logits_alike
 
 PROMPTS = ["import os\nimport", "def main(argv):\n", "class Point:\n    def __init__(self"]
 
@@ -37,15 +38,7 @@ def test_on_the_cpu_q_and_k_are_roped_a_row_at_a_time_in_the_compiled_part_with_
     op_by_op, _, _ = load_model("tiny-llama", LoadOptions(dtype=dtype))
     assert served.model.layers[0].self_attn.roped and not per_stream.model.layers[0].self_attn.roped
     assert op_by_op.model.layers[0].halves is None and not op_by_op.model.layers[0].self_attn.roped
-    models = (served, per_stream, op_by_op)
-    prompts = [tokenizer.encode(text) for text in PROMPTS]
-    caches = {id(m): [m.new_cache(64) for _ in prompts] for m in models}
-    for windows in (prompts, [[7, 8, 9]] * 3, [[11], [12, 13], [14]]):  # three streams' ragged windows a forward
-        logits = [m.forward(caches[id(m)], windows, [len(w) for w in windows]) for m in models]
-        assert all(mx.array_equal(logits[0], other).item() for other in logits[1:])
-        for m in models:
-            for cache, window in zip(caches[id(m)], windows):
-                m.keep(cache, len(window))
+    assert logits_alike([served, per_stream, op_by_op], [tokenizer.encode(text) for text in PROMPTS])
 
 
 def test_a_cpu_where_mlx_cannot_build_kernels_serves_its_layers_op_by_op_and_says_why(as_shipped, monkeypatch,
