@@ -6,7 +6,7 @@ import platform
 
 import mlx.core as mx
 
-from .kernels import backend
+from .kernels import RECORDS_KIND, backend
 
 
 def device_info() -> dict:
@@ -14,7 +14,7 @@ def device_info() -> dict:
 
     device = mx.default_device()
     # on a GPU whether a family compiles depends on its records; on the CPU on MLX's compiler and TENSORFOLD_COMPILE
-    compiled = {"layers_compiled": compiling({}, "mlx")} if backend() == "cpu" else {}
+    compiled = {"layers_compiled": compiling({}, RECORDS_KIND["cpu"])} if backend() == "cpu" else {}
     return {"backend": "cpu" if device.type == mx.cpu else "gpu", "device": str(device),
             "metal": mx.metal.is_available(), "platform": platform.platform(), "mlx": mx.__version__, **compiled}
 

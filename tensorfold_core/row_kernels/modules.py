@@ -13,6 +13,7 @@ import mlx.nn as nn
 from tensorfold_contract.helpers import kernel_array
 
 from .. import traces
+from ..kernels import RECORDS_KIND
 
 
 FUSED_ENV = "TENSORFOLD_FUSED"  # "0": every projection its own launch, no op folded in (to measure what fusing saves)
@@ -345,7 +346,7 @@ def compiling(usable: Mapping[str, object], kind: str) -> bool:
     wanted = os.environ.get(COMPILE_ENV, "")
     if wanted in ("0", "1"):
         return wanted == "1"
-    return cpu_compiles() if kind == "mlx" else bool(usable)
+    return cpu_compiles() if kind == RECORDS_KIND["cpu"] else bool(usable)
 
 
 @functools.cache
