@@ -18,7 +18,7 @@ from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import PROMPT, Run
 from tensorfold_dspark.drafter import CATCH_UP_ROWS, HOLD_ROWS
 from tensorfold_dspark.lane import Lane
-from tensorfold_dspark.model import Block
+from tensorfold_dspark.model import Block, Span
 from tensorfold_lfm2.load import load
 
 
@@ -211,6 +211,35 @@ def test_each_block_row_sees_the_whole_context_and_every_row_of_its_block(drafte
     assert not mx.allclose(four[0], one[0])  # row 0 read the rows after it: the block is not causal
     lane.n = 3
     assert not mx.allclose(model.blocks(h, [Block(0, 4, 6, lane)])[0], four[0])  # and it read the context
+
+
+def test_every_span_s_rows_roped_in_one_call_give_the_bits_of_a_rope_a_span(drafter):
+    from tensorfold_dspark.model import block_attention
+
+    model = drafter.model
+    attn = model.layers[0].self_attn
+    lanes = [Lane(*drafter.shape, 64, drafter.dtype) for _ in range(3)]
+    context = model.context_rows(mx.random.normal((9, 3 * 64), key=mx.random.key(5)))
+    spans = [Span(0, 4, 0), Span(4, 2, 17), Span(6, 3, 40)]  # three lanes' fresh rows at their own positions
+    keys, values = attn.keys_values(context)
+    for (start, n, offset), (k, v) in zip(spans, attn.context(context, spans)):
+        assert mx.array_equal(k, attn.rope(keys[start:start + n][None].transpose(0, 2, 1, 3), offset)).item()
+        assert mx.array_equal(v, values[start:start + n][None].transpose(0, 2, 1, 3)).item()
+    per_layer = model.context(context, spans)
+    for j, (lane, span) in enumerate(zip(lanes, spans)):
+        for layer, per_span in enumerate(per_layer):
+            lane.write(layer, *per_span[j])
+        lane.advance(span.offset, span.n)
+    h = mx.random.normal((7, 64), key=mx.random.key(6))
+    blocks = [Block(0, 4, 4, lanes[0]), Block(4, 1, 19, lanes[1]), Block(5, 2, 43, lanes[2])]
+    at_once = attn(h, blocks, 0)
+    # an `attend` set takes the rope a block path; this one is MLX's own block attention in the record's layout
+    attn.attend = lambda q, ck, cv, n, k, v, scale: block_attention(
+        q.transpose(1, 0, 2)[None], ck, cv, n, k, v, scale)[0].transpose(1, 0, 2)
+    try:
+        assert mx.array_equal(at_once, attn(h, blocks, 0)).item()
+    finally:
+        attn.attend = None
 
 
 # ---- chances and grants (the test drafters' confidence heads are random: they say little of what lands) ----
