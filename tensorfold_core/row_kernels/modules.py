@@ -349,6 +349,13 @@ def compiling(usable: Mapping[str, object], kind: str) -> bool:
     return cpu_compiles() if kind == RECORDS_KIND["cpu"] else bool(usable)
 
 
+def rope_by_rows(usable: Mapping[str, object], kind: str, record_attends: bool = False) -> bool:
+    """Whether q and k are roped a row at a time in each attention layer's compiled first part: where the window
+    attention record serves, and on the CPU; not where the parts run op by op, nor with TENSORFOLD_ROPE_ROWS=0."""
+    return (compiling(usable, kind) and (record_attends or kind == RECORDS_KIND["cpu"])
+            and os.environ.get(ROPE_ROWS_ENV, "1") != "0")
+
+
 @functools.cache
 def cpu_compiles() -> bool:
     """Whether MLX's CPU backend builds compiled kernels here: it runs the system's C++ compiler at a kernel's first

@@ -111,6 +111,11 @@ class ContextKV(Protocol):
     n: int
 
 
+def row_positions(spans: Sequence[Span | Block]) -> mx.array:
+    """Each packed row's absolute position: a span's rows sit at offset.. of their stream."""
+    return mx.array([p for _, n, offset, *_ in spans for p in range(offset, offset + n)], mx.int32)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -133,10 +138,9 @@ class Attention(nn.Module):
         return mx.fast.rope(x, self.head_dim, traditional=self.traditional, base=self.rope_theta, scale=1.0,
                             offset=offset)
 
-    def rope_rows(self, x: mx.array, spans: Sequence[Span | Block]) -> mx.array:
+    def rope_rows(self, x: mx.array, positions: mx.array) -> mx.array:
         """Packed rows [rows, heads, head_dim] roped each at its own position: one rope for every span's rows where
         MLX composes a rope of ~30 ops a call (the same bits as each span's rope at its offset)."""
-        positions = mx.array([p for _, n, offset, *_ in spans for p in range(offset, offset + n)], mx.int32)
         return self.rope(x[:, :, None], positions).reshape(x.shape)
 
     def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -149,7 +153,7 @@ class Attention(nn.Module):
         """Per span of packed context rows: keys rotated at its absolute positions, and values [1, kv, n, dim]."""
         keys, values = self.keys_values(c)
         if self.attend is None:  # MLX's ops: every span's keys roped in one call
-            keys = self.rope_rows(keys, spans)
+            keys = self.rope_rows(keys, row_positions(spans))
         out = []
         for start, n, offset in spans:
             k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (keys, values))
@@ -161,7 +165,8 @@ class Attention(nn.Module):
         queries = self.q_norm(self.q_proj(x).reshape(rows, self.n_heads, -1))
         keys, values = self.keys_values(x)
         if self.attend is None:  # MLX's ops: every block's rows roped in one call
-            queries, keys = self.rope_rows(queries, blocks), self.rope_rows(keys, blocks)
+            positions = row_positions(blocks)
+            queries, keys = self.rope_rows(queries, positions), self.rope_rows(keys, positions)
         outs = []
         for start, n, offset, lane in blocks:  # projections are packed; attention runs per block on its context
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
-from tensorfold_core.kernels import RECORDS_KIND, records_served
-from tensorfold_core.row_kernels.modules import (ROPE_ROWS_ENV, RecordLinear, Served, compile_halves, compiling,
-                                                projection_op, swap_tree, swaps)
+from tensorfold_core.kernels import records_served
+from tensorfold_core.row_kernels.modules import (RecordLinear, Served, compile_halves, projection_op, rope_by_rows,
+                                                swap_tree, swaps)
 
 from .kernels import records
 from .ops import OPS
@@ -158,7 +156,7 @@ def serve_kernels(model, gather: bool = True) -> dict:
         if op in usable:  # the embedding's weight read as a projection; kept out of the module tree (no twin)
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     if gather:  # an MoE block reads its picks on the host: the part of a layer that holds one runs op by op
-        if compiling(usable, kind) and kind == RECORDS_KIND["cpu"] and os.environ.get(ROPE_ROWS_ENV, "1") != "0":
+        if rope_by_rows(usable, kind):  # on the CPU
             rope_rows(model)
         compile_halves(model.model.layers, usable, kind,
                        lambda layer: (True, not isinstance(layer.feed_forward, (ServedMoe, SparseMoeBlock))))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from tensorfold_core.kernels import RECORDS_KIND, records_served
-from tensorfold_core.row_kernels.modules import (ROPE_ROWS_ENV, KeyCompiled, RecordLinear, compile_halves, compiling,
-                                                 fused, normed_fused, projection_op, residual_fused, swaps,
+from tensorfold_core.kernels import records_served
+from tensorfold_core.row_kernels.modules import (KeyCompiled, RecordLinear, compile_halves, compiling, fused,
+                                                 normed_fused, projection_op, residual_fused, rope_by_rows, swaps,
                                                  swiglu_fused)
 
 from .kernels import records
@@ -137,7 +137,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                     mlp.down_proj, usable, kind, model.dtype, "projection bf16 swiglu residual"))
         # rope in the compiled first part: where the attention record serves, and on the CPU, where MLX's SDPA reads
         # the window's roped keys from the cache (one fused rope for every stream's rows instead of a rope a stream)
-        if (attend is not None or kind == RECORDS_KIND["cpu"]) and os.environ.get(ROPE_ROWS_ENV, "1") != "0":
+        if rope_by_rows(usable, kind, record_attends=attend is not None):
             for layer in blocks.layers:
                 object.__setattr__(layer, "halves", (layer.before_roped, layer.after))
                 layer.self_attn.roped = True

@@ -313,7 +313,7 @@ def test_q_k_and_v_are_sliced_and_roped_op_by_op_where_the_one_launch_rope_is_tu
 @pytest.mark.parametrize("rope_rows", ["0", "1"])
 def test_compiled_layer_parts_give_the_logits_of_op_by_op_layers_bit_for_bit_for_any_windows(through_records,
                                                                                              monkeypatch, rope_rows):
-    from tensorfold_llama.serving import ROPE_ROWS_ENV
+    from tensorfold_core.row_kernels.modules import ROPE_ROWS_ENV
 
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setenv(ROPE_ROWS_ENV, rope_rows)
