@@ -46,9 +46,6 @@ def all_cells(drafter: str) -> list[Cell]:
         # unpacked
         Cell("dspark-codes", "as dspark, the drafter's codes read in place (`TENSORFOLD_UNPACK_ONCE=0`)",
              ("--drafter", drafter), True, (("TENSORFOLD_UNPACK_ONCE", "0"),)),
-        # the drafter's hold with MLX's ops on the CPU, as before the host's hold
-        Cell("dspark-mlx-hold", "as dspark, the hold in MLX's ops on the CPU (`TENSORFOLD_HOST_HOLD=0`)",
-             ("--drafter", drafter), True, (("TENSORFOLD_HOST_HOLD", "0"),)),
         # and the target's CPU forward as it was: a rope a stream, then every layer part op by op
         Cell("plain-rope-a-stream", "as plain, q and k roped a stream at a time (`TENSORFOLD_ROPE_ROWS=0`)",
              ("--drafter", "none"), False, (("TENSORFOLD_ROPE_ROWS", "0"),)),

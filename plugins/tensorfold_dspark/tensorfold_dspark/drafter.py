@@ -21,7 +21,6 @@ from tensorfold_core.specs import DrafterOptions
 
 from .lane import Lane
 from .load import BITS, args_of, load
-from .host_hold import HOST_LABEL, host_hold
 from .model import Block, Model, Span
 from .serving import serve_kernels
 
@@ -104,10 +103,6 @@ class DSparkDrafter:
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
         # the hold's Markov step, and what serves each of the drafter's ops here (ops.py's table)
         self.pick, self.kernels = serve_kernels(model)
-        # on the CPU a hold of few rows runs on the host (host_hold.py): MLX's ops cost it their scheduling
-        self.host = host_hold(model, target, self.mask_id, self.kernels)
-        if self.host is not None:
-            self.kernels = dict.fromkeys(self.kernels, HOST_LABEL)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
@@ -329,11 +324,8 @@ class DSparkDrafter:
         return drafts
 
     def _hold(self, contexts: list[Sequence[int]], lanes: list[Lane], depths: list[int]):
-        """The hold's graph, then one eval for the whole hold, the lanes' absorbed rows included (on the host's
-        hold, the absorbed rows first): its picks, NaN flags and confidences on the host."""
-        if self.host is not None:
-            mx.eval([a for lane in lanes for a in lane.keys + lane.values])
-            return self.host.hold(contexts, lanes, depths)
+        """The hold's graph, then one eval for the whole hold, the lanes' absorbed rows included: its picks, NaN
+        flags and confidences on the host."""
         steps, flags, chances = self._hold_graph(contexts, lanes, depths)
         mx.eval(steps, flags, chances, [a for lane in lanes for a in lane.keys + lane.values])
         return [s.tolist() for s in steps], [f.tolist() for f in flags], [c.tolist() for c in chances]

@@ -10,7 +10,6 @@ from tensorfold_core.kernels import DRAFTER_BUILTIN_ENV, KERNELS_ENV, missing_re
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import DraftAsk
-from tensorfold_dspark.host_hold import HOST_HOLD_ENV
 from tensorfold_dspark.kernels import records
 from tensorfold_dspark.ops import OPS
 
@@ -58,7 +57,7 @@ def test_capabilities_show_the_drafters_table_beside_the_families():
 
 
 def test_the_records_served_draft_what_mlxs_ops_draft(target):
-    builtin = drafter_with(target, {HOST_HOLD_ENV: "0"})
+    builtin = drafter_with(target, {})
     try:
         assert builtin.kernels == {"markov pick": "mlx", "block attention": "mlx"}
         assert builtin.model.layers[0].self_attn.attend is None
