@@ -79,3 +79,15 @@ def test_the_dashboard_data_needs_the_api_key_and_the_page_does_not(served):
         assert {"streams", "metrics", "health"} <= set(data)
     finally:
         server.stop()
+
+
+def test_the_dashboard_shows_drafts_by_the_proposer_that_gave_them(shipped, browser):
+    page = browser.new_page()
+    page.goto(shipped.url + "/dashboard")
+    page.wait_for_function("document.getElementById('rounds').textContent !== '-'")
+    body = {"prompt": "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n", "max_tokens": 48, "temperature": 0}
+    assert httpx.post(shipped.url + "/v1/completions", json=body, timeout=120).json()["usage"]["tensorfold"]["drafted"]
+    page.wait_for_function("document.querySelectorAll('#sources tr').length > 0", timeout=30_000)
+    shown = {row.split("\t")[0] for row in page.locator("#sources tr").all_inner_texts()}
+    assert shown and shown <= {"copy", "recall", shipped.host.drafter.name}, shown
+    page.close()

@@ -342,7 +342,7 @@ class Engine:
         stats.rounds += 1
         stats.drafted += len(turn.drafts)
         stats.accepted += accepted
-        self.counters.window(len(turn.drafts), accepted)
+        self.counters.window(len(turn.drafts), accepted, turn.source)
         if turn.source in ("copy", "recall"):
             self.copy.observe(turn.stream.id, len(turn.drafts), accepted)
 

@@ -72,12 +72,16 @@ class SpecCounters:
     offered_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT_DEPTH)
     verdicts: dict[str, int] = field(default_factory=lambda: {"drafted": 0, "plain": 0})  # windows that could draft
     cut_by_grammar: int = 0  # drafts cut before the verify because the grammar refused them
+    # by the proposer that gave a window's drafts (copy, recall, grammar, the drafter's name): windows, drafts, kept
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
-    def window(self, drafted: int, accepted: int) -> None:
+    def window(self, drafted: int, accepted: int, source: str) -> None:
         if drafted:
             self.drafts += 1
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
+            counts = self.by_source.setdefault(source, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafted, counts[2] + accepted
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
             for position in range(drafted):
@@ -87,4 +91,6 @@ class SpecCounters:
         return {"num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
                 "num_accepted_tokens": self.accepted_tokens, "accepted_per_position": list(self.accepted_per_position),
                 "offered_per_position": list(self.offered_per_position),
-                "verdicts": dict(self.verdicts), "cut_by_grammar": self.cut_by_grammar}
+                "verdicts": dict(self.verdicts), "cut_by_grammar": self.cut_by_grammar,
+                "by_source": {source: dict(zip(("windows", "draft_tokens", "accepted_tokens"), counts))
+                              for source, counts in self.by_source.items()}}
