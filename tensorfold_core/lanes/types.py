@@ -93,4 +93,4 @@ class SpecCounters:
                 "offered_per_position": list(self.offered_per_position),
                 "verdicts": dict(self.verdicts), "cut_by_grammar": self.cut_by_grammar,
                 "by_source": {source: dict(zip(("windows", "draft_tokens", "accepted_tokens"), counts))
-                              for source, counts in self.by_source.items()}}
+                              for source, counts in list(self.by_source.items())}}  # read from other threads
