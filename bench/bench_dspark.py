@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import openai
 
-from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, complete, exit_code, fail_if_any, median,
-                    platform_lines, random_prompts, server, spread, table, tokenize)
+from common import (CODE_PROMPTS, BenchMismatch, blas_env, check_same_ids, complete, drafts_by_source, exit_code,
+                    fail_if_any, median, platform_lines, random_prompts, server, spread, table, tokenize)
 
 PAIRS = {"tiny-lfm2-moe": "tiny-lfm2-moe-dspark", "tiny-lfm2": "tiny-lfm2-dspark"}  # target -> its shipped drafter
 WARM_UP = "x = 1\n"  # a prompt no timed request uses, so its kept state helps none of them
@@ -91,11 +91,15 @@ def decode_all(url: str, cell: Cell, streams: int, prompts: list[list[int]], arg
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
     send = lambda i: complete(client, prompts[i], args.tokens, draft=cell.draft, model=args.pair, **sampling(args, i))
     complete(client, tokenize([WARM_UP], args.pair)[0], 8, draft=cell.draft, model=args.pair)
+    before = drafts_by_source(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         replies = list(pool.map(send, range(len(prompts))))
     wall = time.perf_counter() - start
-    return {"replies": replies, "rate": sum(len(r["ids"]) for r in replies) / wall}
+    after = drafts_by_source(url)
+    sources = {source: tuple(a - b for a, b in zip(counts, before.get(source, (0.0, 0.0))))
+               for source, counts in after.items()}
+    return {"replies": replies, "rate": sum(len(r["ids"]) for r in replies) / wall, "sources": sources}
 
 
 def warm_workload(args) -> list[list[int]]:
@@ -115,13 +119,21 @@ def run_cell(cell: Cell, streams: int, prompts: list[list[int]], args, urls: dic
         return decode_all(url, cell, streams, prompts, args)
 
 
-def columns(runs: list[dict]) -> tuple[str, str]:
-    """Tokens committed per stream round, and drafts kept / offered, over every reply of the cell."""
+def columns(runs: list[dict]) -> tuple[str, str, str]:
+    """Tokens committed per stream round, drafts kept / offered over every reply of the cell, and kept / offered
+    by the proposer that gave them (the server's /metrics around each run)."""
     replies = [r for run in runs for r in run["replies"]]
     tokens = sum(len(r["ids"]) for r in replies)
     rounds = sum(r["stats"].get("rounds", 0) for r in replies)
     offered, kept = (sum(r["stats"].get(k, 0) for r in replies) for k in ("drafted", "accepted"))
-    return (f"{tokens / rounds:.2f}" if rounds else "-"), (f"{kept}/{offered} ({kept / offered:.0%})" if offered else "0")
+    by_source: dict[str, list[float]] = {}
+    for run in runs:
+        for source, (source_offered, source_kept) in run["sources"].items():
+            totals = by_source.setdefault(source, [0.0, 0.0])
+            totals[0], totals[1] = totals[0] + source_offered, totals[1] + source_kept
+    sources = ", ".join(f"{source} {k:.0f}/{o:.0f}" for source, (o, k) in sorted(by_source.items()) if o) or "-"
+    return ((f"{tokens / rounds:.2f}" if rounds else "-"),
+            (f"{kept}/{offered} ({kept / offered:.0%})" if offered else "0"), sources)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,16 +203,16 @@ def main(argv: list[str] | None = None) -> int:
                         check_same_ids(f"{c.name} x{n}, rep {rep + 1}, prompt {i}", reference[i], reply["ids"])
             except BenchMismatch as failure:
                 failures.append(failure)
-                rows.append([c.name, n, f"FAIL: {failure}", "-", "-", "-", "-", "-"])
+                rows.append([c.name, n, f"FAIL: {failure}", "-", "-", "-", "-", "-", "-"])
                 continue
             rates = [r["rate"] for r in runs[c.name, n]]
             ratios = [a / b for a, b in zip(rates, base) if b]
-            per_round, kept = columns(runs[c.name, n])
+            per_round, kept, sources = columns(runs[c.name, n])
             rows.append([c.name, n, "equal", f"{median(rates):.1f}", spread(rates), f"{median(ratios):.2f}x",
-                         per_round, kept])
+                         per_round, kept, sources])
     print()
     print(table(["cell", "streams", "token ids", "tok/s (median)", "range", f"vs {BASELINE}", "tokens/round",
-                 "drafts kept"], rows))
+                 "drafts kept", "kept by source"], rows))
     print("\n".join(f"- {c.name}: {c.what}" for c in cells))
     fail_if_any(failures)
     return 0

@@ -357,3 +357,17 @@ def platform_lines(blas: str | None = None) -> list[str]:
     if blas is not None:
         lines.append(f"BLAS: {blas}")
     return lines
+
+
+def drafts_by_source(url: str) -> dict[str, tuple[float, float]]:
+    """The server's draft tokens offered and kept so far by the proposer that gave them (/metrics, per source)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            column = {"tensorfold:drafts_draft_tokens_total": 0, "tensorfold:drafts_accepted_tokens_total": 1}
+            if sample.name in column:
+                counts.setdefault(sample.labels["source"], [0.0, 0.0])[column[sample.name]] = sample.value
+    return {source: (offered, kept) for source, (offered, kept) in counts.items()}

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +19,8 @@ import bench_decode  # noqa: E402
 import bench_family  # noqa: E402
 import bench_pricing  # noqa: E402
 import bench_rows  # noqa: E402
-from common import BenchMismatch, check_same_ids, check_same_replies, exit_code, fail_if_any  # noqa: E402
+from common import (BenchMismatch, check_same_ids, check_same_replies, drafts_by_source, exit_code,  # noqa: E402
+                    fail_if_any)
 
 signal.signal(signal.SIGTERM, _before)  # common's handler is for a benchmark's own process, not pytest's
 
@@ -282,3 +282,17 @@ def test_no_mode_running_fails_the_benchmark():
 
     with pytest.raises(BenchMismatch, match="no mode ran"):
         interleaved(["table", "builtin"], 2, run)
+
+
+def test_drafts_by_source_reads_a_servers_draft_tokens_offered_and_kept_by_proposer(shipped):
+    import httpx
+
+    before = drafts_by_source(shipped.url)
+    body = {"prompt": "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n", "max_tokens": 32, "temperature": 0}
+    usage = httpx.post(shipped.url + "/v1/completions", json=body, timeout=120).json()["usage"]["tensorfold"]
+    after = drafts_by_source(shipped.url)
+    grew = {source: (offered - before.get(source, (0, 0))[0], kept - before.get(source, (0, 0))[1])
+            for source, (offered, kept) in after.items()}
+    assert set(grew) <= {"copy", "recall", shipped.host.drafter.name}
+    assert sum(o for o, _ in grew.values()) == usage["drafted"] > 0
+    assert sum(k for _, k in grew.values()) == usage["accepted"]
