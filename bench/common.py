@@ -364,10 +364,10 @@ def drafts_by_source(url: str) -> dict[str, tuple[float, float]]:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    column = {"tensorfold:draft_tokens_total": 0, "tensorfold:accepted_draft_tokens_total": 1}
     counts: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for sample in family.samples:
-            column = {"tensorfold:drafts_draft_tokens_total": 0, "tensorfold:drafts_accepted_tokens_total": 1}
             if sample.name in column:
                 counts.setdefault(sample.labels["source"], [0.0, 0.0])[column[sample.name]] = sample.value
     return {source: (offered, kept) for source, (offered, kept) in counts.items()}

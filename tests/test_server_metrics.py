@@ -47,9 +47,9 @@ def test_metrics_count_requests_tokens_latencies_and_drafts_under_vllm_s_names(s
     assert per_position == accepted > 0
     assert grew(("tensorfold:guard_windows_total", ("verdict", "drafted"))) >= 1
     # the same counters by the proposer that gave each window's drafts: they sum to vLLM's, and name real proposers
-    for ours, vllms in (("windows", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
-                        ("accepted_tokens", "num_accepted_tokens")):
-        by_source = {key[1][1]: grew(key) for key in after if key[0] == f"tensorfold:drafts_{ours}_total"}
+    for ours, vllms in (("drafted_windows", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
+                        ("accepted_draft_tokens", "num_accepted_tokens")):
+        by_source = {key[1][1]: grew(key) for key in after if key[0] == f"tensorfold:{ours}_total"}
         assert sum(by_source.values()) == grew((f"vllm:spec_decode_{vllms}_total",)) > 0, ours
         assert set(by_source) <= {"copy", "recall", "grammar", shipped.host.drafter.name}, by_source
     assert ("vllm:num_requests_running",) in after and ("vllm:num_requests_waiting",) in after

@@ -51,12 +51,13 @@ class HostCollector:
         for position, count in enumerate(spec["accepted_per_position"]):
             per_position.add_metric([str(position)], count)
         yield per_position
-        for name, what in (("windows", "Windows that carried drafts"), ("draft_tokens", "Draft tokens verified"),
-                           ("accepted_tokens", "Draft tokens accepted")):
-            family = CounterMetricFamily(f"tensorfold:drafts_{name}", f"{what}, by the proposer that gave them (copy, "
-                                         "recall, grammar, or the drafter's name).", labels=["source"])
+        for key, name, what in (("windows", "drafted_windows", "Windows that carried drafts"),
+                                ("draft_tokens", "draft_tokens", "Draft tokens verified"),
+                                ("accepted_tokens", "accepted_draft_tokens", "Draft tokens accepted")):
+            family = CounterMetricFamily(f"tensorfold:{name}", f"{what}, by the proposer that gave them (copy, recall, "
+                                         "grammar, or the drafter's name).", labels=["source"])
             for source, counts in sorted(spec["by_source"].items()):
-                family.add_metric([source], counts[name])
+                family.add_metric([source], counts[key])
             yield family
         verdicts = CounterMetricFamily("tensorfold:guard_windows", "Windows that could draft, by what the "
                                        "pricing and guards let them do.", labels=["verdict"])
