@@ -19,7 +19,6 @@ import time
 from typing import Callable
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny-llama"
 OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -362,6 +361,9 @@ def platform_lines(blas: str | None = None) -> list[str]:
 
 def drafts_by_source(url: str) -> dict[str, tuple[float, float]]:
     """The server's draft tokens offered and kept so far by the proposer that gave them (/metrics, per source)."""
+    # imported here: the GPU machine's benches import this module with a minimal site and never read /metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
     column = {"tensorfold:draft_tokens_total": 0, "tensorfold:accepted_draft_tokens_total": 1}
     counts: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
