@@ -8,6 +8,8 @@
 #             more flags on (e.g. --mlx-lm: mlx-lm generate on the target too, its wheel carried in .whl/;
 #             --rounds 3: every mode run three times, interleaved, rates the medians); DRAFTER_PRESET=0.07b drafts
 #             with the drafter's own 4 layers instead of 0.1b's 8 (4 of them identity)
+#   dspark    the inflated lfm2 pair (tools/zoo/inflate_lfm2.py: a 1B-class lfm2 target, its DSpark drafter), as
+#             pair does (PAIR_MODES, default table; PAIR_STREAMS; PAIR_ARGS)
 #   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
 #             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
 #             builtin,table,table-attention; bench/bench_token_time.py)
@@ -29,8 +31,9 @@
 #             (default the tiny-lfm2 DSpark pair: carry its drafter's dir, stage.sh weights leaves it out)
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
-# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_TOKEN=150, CAP_NORMED=90, CAP_EXACT=80,
-# CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
+# Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_DSPARK=200, CAP_TOKEN=150, CAP_NORMED=90,
+# CAP_EXACT=80, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside
+# its limit and says which step was cut.
 # Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
 # (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
 # the contract's inputs.
@@ -63,6 +66,13 @@ for what in "${@:-bench pair exact contract affine}"; do
           ${PAIR_STREAMS:+--streams $PAIR_STREAMS} ${PAIR_ARGS:-} --json $receipt/pair.json" \
           step pair "${CAP_PAIR:-110}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/pair.txt" ;;
+      dspark)
+        OUT=$receipt TF_EXEC="python3 tools/zoo/inflate_lfm2.py --preset lfm2-1b --out /tmp/l1 --no-check > /dev/null \
+          && python3 tools/zoo/inflate_lfm2.py --preset lfm2-dspark-0.1b --out /tmp/ld --target /tmp/l1 --no-check \
+          > /dev/null && python3 bench/bench_gpu_pair.py /tmp/l1 /tmp/ld --modes '${PAIR_MODES:-table}' \
+          ${PAIR_STREAMS:+--streams $PAIR_STREAMS} ${PAIR_ARGS:-} --json $receipt/dspark.json" \
+          step dspark "${CAP_DSPARK:-200}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/dspark.txt" ;;
       token)
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
           && python3 bench/bench_token_time.py /tmp/b1 --modes '${TOKEN_MODES:-builtin,table,table-attention}' \
