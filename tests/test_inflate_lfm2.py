@@ -86,9 +86,9 @@ def test_the_drafter_reads_every_tap_and_keeps_its_heads_and_the_targets_layer_c
     assert config["dflash_config"]["num_target_layers"] == 8 and config["head_dim"] == 128
 
 
-def test_widths_whose_norm_shifts_disagree_are_refused_naming_both():
+def test_widths_whose_norm_shifts_disagree_are_refused():
     with pytest.raises(InflateError, match="one eps"):
-        inflate_lfm2.inflate_target(TINY, Path("/nonexistent"), Shape(512, 6, 512, 8, 2, 128), (), "float32")
+        inflate_lfm2.lfm2_plan(Shape(256, 6, 512, 8, 2, 32), Shape(512, 6, 512, 8, 2, 128))
 
 
 def test_layer_kinds_must_start_with_the_sources_and_name_a_kind_it_has():
@@ -107,5 +107,6 @@ def test_every_preset_is_a_shape_the_rule_reaches(name):
     shape = inflate_lfm2.source_shape(config, inflate.read_weights(source), inner)
     plan = inflate_lfm2.lfm2_plan(shape, preset.shape, interleaved=not preset.layer_types)
     assert plan.copies * 4 ** plan.norm_shift * shape.hidden == preset.shape.hidden
-    if preset.layer_types:
+    if preset.layer_types:  # a target: lfm2 derives head_dim from the hidden size and the heads
         inflate_lfm2.layer_sources(config["layer_types"], preset.layer_types)
+        assert preset.shape.heads * preset.shape.head_dim == preset.shape.hidden

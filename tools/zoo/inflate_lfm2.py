@@ -59,9 +59,6 @@ def lfm2_plan(src: Shape, dst: Shape, interleaved: bool = False) -> Plan:
         raise InflateError(f"hidden_size {dst.hidden} and head_dim {dst.head_dim}: the hidden norms' eps scales by "
                            f"4^-{plan.norm_shift} and the per-head norms' by 4^-{plan.q_shift}, but the config has "
                            "one eps; pick widths whose powers of four agree")
-    if dst.heads * dst.head_dim != dst.hidden and not interleaved:
-        raise InflateError(f"num_attention_heads {dst.heads} x head_dim {dst.head_dim} must be hidden_size "
-                           f"{dst.hidden}: lfm2 derives head_dim from them")
     kind = InterleavedPlan if interleaved else Plan
     return kind(*(getattr(plan, f.name) for f in dataclasses.fields(plan)))
 
@@ -248,6 +245,9 @@ def inflate_target(source: Path, out: Path, shape: Shape, layer_types: tuple[str
     config = json.loads((source / "config.json").read_text())
     check_target(config, str(source / "config.json"))
     weights = read_weights(source)
+    if shape.heads * shape.head_dim != shape.hidden:
+        raise InflateError(f"num_attention_heads {shape.heads} x head_dim {shape.head_dim} must be hidden_size "
+                           f"{shape.hidden}: lfm2 derives head_dim from them")
     src = source_shape(config, weights, "model.layers.0.feed_forward.w1.weight")
     plan = lfm2_plan(src, shape)
     layers = layer_sources(config["layer_types"], layer_types or tuple(config["layer_types"]))
