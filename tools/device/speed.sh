@@ -9,7 +9,8 @@
 #             --rounds 3: every mode run three times, interleaved, rates the medians); DRAFTER_PRESET=0.07b drafts
 #             with the drafter's own 4 layers instead of 0.1b's 8 (4 of them identity)
 #   dspark    the inflated lfm2 pair (tools/zoo/inflate_lfm2.py: a 1B-class lfm2 target, its DSpark drafter), as
-#             pair does (PAIR_MODES, default table; PAIR_STREAMS; PAIR_ARGS)
+#             pair does (PAIR_MODES, default table; PAIR_STREAMS; PAIR_ARGS); made from the tiny-lfm2 and
+#             tiny-lfm2-dspark dirs, so in stage.sh weights (which leaves DSpark dirs home) carry the latter
 #   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
 #             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
 #             builtin,table,table-attention; bench/bench_token_time.py)
