@@ -98,6 +98,12 @@ def test_layer_kinds_must_start_with_the_sources_and_name_a_kind_it_has():
         inflate_lfm2.layer_sources(["conv"], ("conv", "full_attention"))
 
 
+def test_a_drafter_preset_refuses_a_target_that_was_not_inflated_before_writing(tmp_path, capsys):
+    out = tmp_path / "drafter"
+    assert inflate_lfm2.main(["--preset", "lfm2-dspark-0.1b", "--out", str(out), "--target", str(TINY)]) == 2
+    assert "not an inflated target" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("name", sorted(inflate_lfm2.PRESETS))
 def test_every_preset_is_a_shape_the_rule_reaches(name):
     preset = inflate_lfm2.PRESETS[name]

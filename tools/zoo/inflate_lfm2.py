@@ -114,9 +114,9 @@ class Reader:
 
 
 def attention(plan: Plan, take: Reader, src: str, dst: str, names: dict[str, str], real: bool) -> list[Tensor]:
-    """q/k/v/out and the per-head norms: k's norm x 2^-a, as the score's 1/sqrt(head_dim) halved a times while
-    each normed head doubled a times; zero heads stay zero through their norms."""
+    """q/k/v/out and the per-head norms, as `inflate` places them but for the scale, which goes to the k norm."""
     d, first, dims = plan.dst, np.arange(plan.src.hidden), plan.dim_map()
+    # each normed head comes out 2^a larger on either side while 1/sqrt(head_dim) halves a times; zero heads stay zero
     k_scale = np.float32(2.0 ** -plan.q_shift)
     out = [Tensor(dst + names["q"], (d.heads * d.head_dim, d.hidden), [(plan.q_rows(), first, take(src + names["q"]))])]
     out += [Tensor(dst + names[kv], (d.kv_heads * d.head_dim, d.hidden),
@@ -344,24 +344,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def inflated_target(path: Path) -> dict:
+    """The config of a target this tool inflated: a drafter takes its layer count and is checked beside its source."""
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise InflateError(f"--target {path}: no config.json there")
+    config = json.loads(config_path.read_text())
+    if SYNTHETIC_KEY not in config:
+        raise InflateError(f"--target {config_path}: not an inflated target (no {SYNTHETIC_KEY} key)")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     preset = PRESETS[args.preset]
     try:
         source = resolve(preset.model)
+        target = None if preset.layer_types else inflated_target(args.target)
         started = time.perf_counter()
-        if preset.layer_types:
+        if target is None:
             inflate_target(source, args.out, preset.shape, preset.layer_types, args.dtype, name=preset.model)
         else:
-            layers = json.loads((args.target / "config.json").read_text())["num_hidden_layers"]
-            inflate_drafter(source, args.out, preset.shape, layers, args.dtype, name=preset.model)
+            inflate_drafter(source, args.out, preset.shape, target["num_hidden_layers"], args.dtype, name=preset.model)
         print(f"({time.perf_counter() - started:.1f} s)")
         if args.no_check:
             print("self-check SKIPPED (--no-check): this checkpoint's tokens and drafts are NOT verified")
             return 0
-        if preset.layer_types:
+        if target is None:
             return check(source, args.out, args.tokens, "float32", "tensorfold", "cpu")
-        tiny_target = resolve(json.loads((args.target / "config.json").read_text())[SYNTHETIC_KEY]["source"])
+        tiny_target = resolve(target[SYNTHETIC_KEY]["source"])
         return check_pair((tiny_target, source), (args.target, args.out), args.tokens)
     except InflateError as exc:
         print(f"inflate_lfm2: {exc}", file=sys.stderr)
