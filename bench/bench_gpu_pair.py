@@ -24,7 +24,8 @@
 # --rounds N runs every mode's child N times, the modes' order rotated each round (A B C, B C A, ...): rates drift
 # 10-25% from one child to the next within a GPU call, so a few percent needs the median of interleaved runs. Each
 # rate printed is then its median over the rounds, every round's ids checked, and each mode's plain rate per round
-# is printed too.
+# is printed too. --served-depth N serves every drafter window at depth N (copies first, unpriced): the served
+# columns then say what the priced depths cost or gain against a fixed one.
 
 from __future__ import annotations
 
@@ -80,7 +81,10 @@ def child(args) -> dict:
                          copy_drafts=False)
         return plain, drafted
 
-    served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
+    # --served-depth: the served engine with every drafter window at that depth (copies, guards' timing as served):
+    # whether the priced depths, whose rounds vary, or serving itself costs where fixed-depth drafting wins
+    served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True,
+                    fixed_depth=args.served_depth)
 
     def request(text: str) -> GenerationRequest:
         return GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=args.tokens, stop_token_ids=frozenset())
@@ -230,6 +234,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--mlx-lm", action="store_true", help="mlx-lm generate on the target too (ids checked)")
     parser.add_argument("--rounds", type=int, default=1, help="run the modes N times, interleaved; medians")
+    parser.add_argument("--served-depth", type=int, help="serve every drafter window at this depth, unpriced")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -248,7 +253,8 @@ def main() -> int:
     runs, failed = interleaved(modes, args.rounds, lambda mode: kernel_mode_child(
         __file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens", str(args.tokens),
         "--prompts", str(args.prompts), "--streams", ",".join(map(str, args.streams)),
-        *(["--mlx-lm"] if args.mlx_lm else [])))
+        *(["--mlx-lm"] if args.mlx_lm else []),
+        *(["--served-depth", str(args.served_depth)] if args.served_depth is not None else [])))
     modes = list(runs)
     if args.json:  # before any check: a run that took minutes keeps its raw results even when a check fails
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -250,6 +250,14 @@ def test_the_gpu_pair_bench_runs_its_modes_in_rotated_rounds_and_prints_each_rou
     assert set(per_round) == {"builtin", "table"} and all(len(rates) == 2 for rates in per_round.values())
 
 
+def test_the_gpu_pair_bench_serves_a_dspark_pair_at_a_fixed_depth_with_every_reply_checked():
+    done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-lfm2", "tiny-lfm2-dspark", "--modes", "table",
+                           "--tokens", "6", "--prompts", "1", "--streams", "2", "--served-depth", "2"],
+                          capture_output=True, text=True, cwd=BENCH, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert any(line.split()[:2] == ["table", "2"] for line in done.stdout.splitlines())
+
+
 def test_the_gpu_pair_bench_refuses_a_mode_named_twice():
     done = subprocess.run([sys.executable, "bench_gpu_pair.py", "tiny-llama", "tiny-llama-drafter", "--modes",
                            "table,table"], capture_output=True, text=True, cwd=BENCH, timeout=120)
