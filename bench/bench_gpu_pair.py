@@ -278,6 +278,8 @@ def main() -> int:
                 for j, (ids, prompt) in enumerate(zip(cell[f"{kind}_ids"], cell["prompt_of"])):
                     check_same_ids(f"{r['mode']}: {cell['streams']} streams {kind}, reply {j} vs its prompt alone",
                                    r["prompts"][prompt]["plain_ids"], ids)
+    if args.served_depth is not None:  # the served columns below are not the priced engine's
+        print(f"served: every drafter window at depth {args.served_depth}, unpriced (--served-depth)")
     first = results[0]
     width = max(9, *(len(r["mode"]) for r in results))
     print(f"{'mode':<{width}} {'probe':<6} {'plain tok/s':>11} {'drafted tok/s':>13} {'drafted/plain':>13} "

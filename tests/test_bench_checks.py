@@ -256,6 +256,7 @@ def test_the_gpu_pair_bench_serves_a_dspark_pair_at_a_fixed_depth_with_every_rep
                           capture_output=True, text=True, cwd=BENCH, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert any(line.split()[:2] == ["table", "2"] for line in done.stdout.splitlines())
+    assert "every drafter window at depth 2, unpriced" in done.stdout
 
 
 def test_the_gpu_pair_bench_refuses_a_mode_named_twice():
