@@ -81,8 +81,7 @@ def child(args) -> dict:
                          copy_drafts=False)
         return plain, drafted
 
-    # --served-depth: the served engine with every drafter window at that depth (copies, guards' timing as served):
-    # whether the priced depths, whose rounds vary, or serving itself costs where fixed-depth drafting wins
+    # --served-depth fixes the served engine's drafter depth (the file's header says what it tells apart)
     served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True,
                     fixed_depth=args.served_depth)
 

@@ -180,18 +180,29 @@ class Tensor:
         return int(np.prod(self.shape))
 
 
+class Reader:
+    """Source tensors by name, remembering which were read (every one must be, or the rule missed something)."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.weights, self.read = weights, set()
+
+    def __call__(self, name: str) -> np.ndarray:
+        self.read.add(name)
+        return self.weights[name]
+
+    def finish(self) -> None:
+        unread = sorted(set(self.weights) - self.read)
+        if unread:
+            raise InflateError(f"source tensor {unread[0]!r} has no inflation rule ({len(unread)} unread)")
+
+
 def inflated_tensors(plan: Plan, w: dict[str, np.ndarray], vocab: int, tied: bool) -> list[Tensor]:
     """Every tensor of the inflated checkpoint; extra layers copy a real layer's reads but write zeros (identity)."""
     s, d = plan.src, plan.dst
     first, copies, q_rows, kv_rows = np.arange(s.hidden), plan.hidden_copies(), plan.q_rows(), plan.kv_rows()
     inner, every_id = np.arange(s.intermediate), np.arange(vocab)
     norm_scale, q_scale = np.float32(2.0 ** -plan.norm_shift), np.float32(2.0 ** plan.q_shift)
-    read: set[str] = set()
-
-    def take(name: str) -> np.ndarray:
-        read.add(name)
-        return w[name]
-
+    take = Reader(w)
     out = [Tensor("model.embed_tokens.weight", (vocab, d.hidden),
                   [(every_id, c, take("model.embed_tokens.weight")) for c in copies])]
     for layer in range(d.layers):
@@ -215,9 +226,7 @@ def inflated_tensors(plan: Plan, w: dict[str, np.ndarray], vocab: int, tied: boo
     out.append(Tensor("model.norm.weight", (d.hidden,), [(first, None, take("model.norm.weight") * norm_scale)]))
     if not tied:
         out.append(Tensor("lm_head.weight", (vocab, d.hidden), [(every_id, first, take("lm_head.weight"))]))
-    unread = sorted(set(w) - read)
-    if unread:
-        raise InflateError(f"source tensor {unread[0]!r} has no inflation rule ({len(unread)} unread)")
+    take.finish()
     return out
 
 

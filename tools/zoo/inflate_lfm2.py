@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from inflate import (COPIED, OUT_DTYPES, SYNTHETIC_KEY, InflateError, Plan, Shape, Tensor, check, make_plan,
-                     prepare_out, read_weights, resolve, write_weights)
+from inflate import (COPIED, OUT_DTYPES, SYNTHETIC_KEY, InflateError, Plan, Reader, Shape, Tensor, check,
+                     make_plan, prepare_out, read_weights, resolve, write_weights)
 
 # LFM2-1.2B's order of layer kinds; the tiny target's six are its first six
 LFM2_1B_LAYERS = ("conv", "conv", "full_attention") * 3 + ("conv", "full_attention") * 3 + ("conv",)
@@ -95,22 +95,6 @@ def layer_sources(src_types: list[str], dst_types: tuple[str, ...]) -> list[tupl
         else:
             raise InflateError(f"layer_types[{i}] {kind!r}: the source has no layer of that kind to read like")
     return out
-
-
-class Reader:
-    """Source tensors by name, remembering which were read (every one must be, or the rule missed something)."""
-
-    def __init__(self, weights: dict[str, np.ndarray]):
-        self.weights, self.read = weights, set()
-
-    def __call__(self, name: str) -> np.ndarray:
-        self.read.add(name)
-        return self.weights[name]
-
-    def finish(self) -> None:
-        unread = sorted(set(self.weights) - self.read)
-        if unread:
-            raise InflateError(f"source tensor {unread[0]!r} has no inflation rule ({len(unread)} unread)")
 
 
 def attention(plan: Plan, take: Reader, src: str, dst: str, names: dict[str, str], real: bool) -> list[Tensor]:
