@@ -84,6 +84,7 @@ def child(args) -> dict:
     # --served-depth fixes the served engine's drafter depth (the file's header says what it tells apart)
     served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True,
                     fixed_depth=args.served_depth)
+    served.time_rows(max([1, *args.streams]))  # as a server of that many slots primes its shared rounds' costs
 
     def request(text: str) -> GenerationRequest:
         return GenerationRequest(prompt_ids=tokenizer.encode(text), max_tokens=args.tokens, stop_token_ids=frozenset())

@@ -77,6 +77,8 @@ class Host:
         self.engine = Engine(model, prefill_chunk=options.prefill_chunk, shared_rounds=row_invariant, drafter=drafter,
                              timed=timed, on_leave=self.admission.leave,
                              recall=lambda: [kept.tokens for kept in prompt_cache.entries.values()])
+        if group is None:  # a group's caches live on every rank until its sync frees them: its rounds teach its lines
+            self.engine.time_rows(options.parallel)
         memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
                   "prompt_cache_resumes": row_invariant}
         # worked out at load: MLX and the plugin registry are touched only by the loading and engine threads

@@ -206,6 +206,7 @@ def drive(model, drafter, requests, parallel, *, timed=True, each_round=None) ->
     the engine after each); each reply's ids."""
     run = Run(model, parallel)
     run.engine = Engine(model, prefill_chunk=8, drafter=drafter, timed=timed)
+    run.engine.time_rows(parallel)  # as the server's engine does
     for sid, request in enumerate(requests):
         run.submit(sid, request)
     while run.waiting or not run.engine.idle():

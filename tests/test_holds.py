@@ -14,6 +14,7 @@ from tensorfold_core.hold_costs import HoldCosts
 from tensorfold_core.lanes.grants import Held
 from tensorfold_core.lanes.guards import FIRST_GAP, Ask, DraftPlanner, Verified
 from tensorfold_core.lanes.holds import HoldOffer, keep_holds
+from tensorfold_core.lanes.pricing import Costs
 from tensorfold_core.loading import load_model, start_drafter
 from tensorfold_core.plugins import Registry, new_plugin_manager
 from tensorfold_core.protocols import DrafterFacts
@@ -174,3 +175,21 @@ def test_a_drafter_whose_facts_price_its_hold_without_a_hold_ms_method_is_refuse
     pm.register(SaysPricedPlugin(), name="says-priced")
     with pytest.raises(DrafterError, match="its facts say its hold is priced, but its SaysPriced has no hold_ms"):
         start_drafter(str(path), load_model(str(target))[0], Checkpoint.open(path).tokenizer(), registry=Registry(pm))
+
+
+def test_eight_streams_rounds_timed_at_one_width_keep_holds_only_where_a_primed_line_prices_their_rows():
+    """Plain shared rounds of 8 rows say nothing of a row's cost: the prior's (a tenth of a round a row) cuts every
+    hold, where forwards timed at start (40 rows about the cost of 8, as on a GPU) keep them."""
+    from tensorfold_core.lanes.guards import SharedGuard
+
+    asks, facts = [Ask(i, 15, 100) for i in range(8)], dataclasses.replace(PRICED, shared_guard=False)
+    held = {}
+    for primed in (False, True):
+        planner = DraftPlanner(clock=Clock())
+        line = planner.shared_costs.setdefault(SharedGuard.band(8), Costs())
+        if primed:
+            line.prime({8: 18.0, 40: 22.0})
+        for _ in range(20):
+            line.observe_round(8, 20.0)
+        held[primed] = planner.plan(asks, facts=facts, hold_ms=lambda blocks, depth: 3.0)
+    assert held[False] == [0] * 8 and all(held[True])

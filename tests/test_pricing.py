@@ -172,3 +172,32 @@ def test_a_shared_round_is_timed_by_a_line_of_rounds_like_it_where_one_was_timed
     assert sum(shared_depths(acceptances, lone, depths)) == 0
     assert shared_depths(acceptances, lone, depths, rounds=Costs()) == shared_depths(acceptances, lone, depths)
     assert sum(shared_depths(acceptances, lone, depths, rounds=costs_of(10.0, 0.1))) > 8
+
+
+def test_a_primed_line_prices_rounds_by_its_timed_forwards_until_a_round_is_timed():
+    costs = Costs()
+    costs.prime({8: 20.0, 40: 24.0})
+    assert costs.timed
+    assert costs.round_ms(8) == pytest.approx(20.0) and costs.round_ms(40) == pytest.approx(24.0)
+
+
+def test_rounds_of_one_width_lean_on_the_primed_slope_not_the_priors():
+    primed, unprimed = Costs(), Costs()
+    primed.prime({8: 10.0, 40: 14.0})
+    for costs in (primed, unprimed):
+        for _ in range(50):
+            costs.observe_round(8, 20.0)
+    assert primed.round_ms(8) == pytest.approx(20.0) and unprimed.round_ms(8) == pytest.approx(20.0)
+    assert primed.round_ms(40) - primed.round_ms(8) == pytest.approx(4.0)  # 32 rows at the timed forwards' slope
+    assert unprimed.round_ms(40) - unprimed.round_ms(8) == pytest.approx(32 * PRIOR_ROW_SHARE * 20.0 / 1.7)
+
+
+def test_rounds_of_many_widths_outweigh_the_primed_slope():
+    costs = costs_of(12.0, 3.0)
+    costs.prime({1: 10.0, 5: 10.0})
+    assert costs.round_ms(12) - costs.round_ms(1) == pytest.approx(33.0, rel=0.01)
+
+
+def test_priming_takes_forwards_of_two_widths_or_more():
+    with pytest.raises(ValueError, match="two widths"):
+        Costs().prime({8: 20.0})

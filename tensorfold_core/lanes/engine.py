@@ -16,6 +16,7 @@ from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
+from .row_costs import prime_shared_lines
 from .rows import RowStage
 from .stream import Stream
 from .types import ErrorEvent, SpecCounters
@@ -83,6 +84,15 @@ class Engine:
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
         self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
+
+    def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
+        """Time the target's forwards for shared rounds of up to `parallel` streams (a timed engine that may draft:
+        a server), so their verify rows are priced by this machine's costs from the first round; {streams: {rows:
+        ms}}, empty where nothing would read them."""
+        can_draft = self.drafter is not None or self.copy_drafts
+        if not (self.planner.timed and self.shared_rounds and can_draft and self.fixed_depth is None):
+            return {}
+        return prime_shared_lines(self.planner, self.model, parallel)
 
     def add(self, stream: Stream) -> None:
         request = stream.request

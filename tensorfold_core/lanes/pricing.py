@@ -76,6 +76,19 @@ class Costs:
         self._decay = _decay(half_life)
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self._steps = self._chain_ms = 0.0
+        self._primed: tuple[float, float] | None = None  # (ms, ms a row) of forwards timed at start
+
+    def prime(self, forwards: dict[int, float]) -> None:
+        """Forwards of `rows` rows timed at start, {rows: ms}: the line through them prices rounds until one is
+        timed, and its slope stands in for the prior's while the rounds timed since are all of one width (a band
+        of streams running plain), where a row's share of a CPU round would price a GPU's verify rows out."""
+        if len(forwards) < 2:
+            raise ValueError(f"priming a cost line takes forwards of two widths or more, not {sorted(forwards)}")
+        n = len(forwards)
+        mean_x, mean_y = sum(forwards) / n, sum(forwards.values()) / n
+        spread = sum((x - mean_x) ** 2 for x in forwards)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in forwards.items()) / spread, 0.0)
+        self._primed = (max(mean_y - slope * mean_x, 0.0), slope)
 
     def observe_round(self, rows: int, ms: float) -> None:
         """A lone decode round of `rows` window rows took `ms` (shared rounds carry other costs: keep them out)."""
@@ -95,20 +108,24 @@ class Costs:
 
     @property
     def timed(self) -> bool:
-        """Whether a round was timed: before that the line is the prior's, in units of a plain round."""
-        return self._w > 0.0
+        """Whether a round or primed forwards were timed: before that the line is the prior's, in units of a plain
+        round."""
+        return self._w > 0.0 or self._primed is not None
 
     def line(self) -> tuple[float, float]:
         """(ms a round pays whatever its rows, ms a row adds); before any timing, in units of a plain round."""
         if self._w == 0.0:
+            if self._primed is not None:
+                return self._primed
             unit = self.step_ms() / PRIOR_STEP_SHARE if self._steps else 1.0
             return unit * (1.0 - PRIOR_ROW_SHARE), unit * PRIOR_ROW_SHARE
         mean_x, mean_y = self._x / self._w, self._y / self._w
-        # rounds of one width (a stream standing aside) say nothing of the slope: lean on the prior's
+        # rounds of one width (a stream standing aside) say nothing of the slope: lean on the primed one, or the prior's
         unit = mean_y / (1.0 + PRIOR_ROW_SHARE * (mean_x - 1.0))
+        prior = self._primed[1] if self._primed is not None else PRIOR_ROW_SHARE * unit
         spread = max(self._xx - self._x * self._x / self._w, 0.0)
         covariance = self._xy - self._x * self._y / self._w
-        slope = max((covariance + SLOPE_WEIGHT * PRIOR_ROW_SHARE * unit) / (spread + SLOPE_WEIGHT), 0.0)
+        slope = max((covariance + SLOPE_WEIGHT * prior) / (spread + SLOPE_WEIGHT), 0.0)
         return max(mean_y - slope * mean_x, 0.0), slope
 
     def round_ms(self, rows: int) -> float:

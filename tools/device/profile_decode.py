@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                         fixed_depth=args.depth, copy_drafts=False)
         if drafter is not None:
             engines["served"] = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
+            engines["served"].time_rows(streams)  # as a server of that many slots primes its shared rounds' costs
         for name, engine in engines.items():
             together(model, engine, requests)  # warm: every shape built once
             before = (engine.rounds, engine.ahead.used, dict(engine.counters.verdicts))
