@@ -68,14 +68,16 @@ class Prepared:
     that do not change worked out once, so that a call is one kernel launch (no ServedCall, Launch or dims array).
 
     `fixed()` gives the module's own arrays (weights) by input name, read at every call, so new weights are served;
-    `row_input` names the per-row input, and a call may pass other per-call inputs by name (a residual). An input
-    the implementation makes itself (a dims array) is kept per row count; where it casts or reshapes the row input,
-    every call goes through its `inputs` again."""
+    `row_input` names the per-row input, and a call may pass other per-call inputs by name (a residual; those named
+    in `per_call` must reach the kernel as passed). An input the implementation makes itself (a dims array) is kept
+    per row count; where it casts or reshapes the row input or a `per_call` one, every call goes through its
+    `inputs` again."""
 
     def __init__(self, kind: str, implementation, dims: Mapping[str, Any], fixed: Callable[[], Mapping[str, Any]],
-                 row_input: str):
+                 row_input: str, per_call: tuple[str, ...] = ()):
         self.kind, self.implementation, self.dims, self.fixed, self.row_input = \
             kind, implementation, dims, fixed, row_input
+        self.per_call = per_call
         self._plans: dict[int, tuple] = {}
 
     def __call__(self, x, **more) -> dict:
@@ -100,7 +102,8 @@ class Prepared:
         inputs = source.inputs(served)
         by_id = {id(array): name for name, array in arrays.items()}
         slots = [by_id.get(id(array)) for array in inputs]
-        if 0 in launch.grid or self.row_input not in slots or source.finish is not None:
+        if 0 in launch.grid or source.finish is not None or any(name not in slots
+                                                                 for name in (self.row_input, *self.per_call)):
             return None, (), (), {}
         made = [None if name is not None else array for name, array in zip(slots, inputs)]
         return (_kernel(self.kind, source, launch.dynamic_shared), slots, made,

@@ -72,6 +72,8 @@ class HybridCache:
         self.values = [mx.zeros(kv, shape.dtype) for _ in range(shape.attention_layers)]
         self.conv = [mx.zeros((1, shape.conv_tail, shape.conv_dim), shape.dtype) for _ in range(shape.conv_layers)]
         self.inputs: list[mx.array | None] = [None] * shape.conv_layers  # [tail; window rows] of the last forward
+        # or, where the stream conv record served the window, the tail each row leaves [rows, conv_tail, conv_dim]
+        self.states: list[mx.array | None] = [None] * shape.conv_layers
         self.kept_conv: dict[int, tuple[mx.array, ...]] = {}  # chunk mark -> conv tails there
         self.asked: set[int] = set()  # token counts to keep conv tails at, besides every `marks`
         self.tapped: mx.array | None = None  # the last window's tapped rows, while the model taps layers
@@ -101,18 +103,30 @@ class HybridCache:
         self.inputs[slot] = mx.concatenate([self.conv[slot], gated], axis=1)
         return self.inputs[slot]
 
+    def conv_states(self, slot: int, states: mx.array) -> None:
+        """The tail each of the window's rows leaves in a conv layer, [rows, conv_tail, conv_dim] (the record's)."""
+        self.states[slot] = states
+
+    def _tail(self, slot: int, r: int) -> mx.array:
+        """The conv layer's tail after the window's first `r` rows, [1, conv_tail, conv_dim]: a copy, so the window's
+        arrays are freed."""
+        if self.states[slot] is not None:
+            return self.conv[slot] if r == 0 else mx.contiguous(self.states[slot][r - 1:r])
+        return mx.contiguous(self.inputs[slot][:, r:r + self.shape.conv_tail])
+
     def commit(self, rows: int) -> list[mx.array]:
         """Keep the window's first `rows` rows, lazily: the offset moves, each conv tail ends at the last kept row."""
-        tail, marked = self.shape.conv_tail, []
-        tails = lambda r: tuple(mx.contiguous(x[:, r:r + tail]) for x in self.inputs)  # copies: the window is freed
+        marked, layers = [], range(self.shape.conv_layers)
+        tails = lambda r: tuple(self._tail(slot, r) for slot in layers)
         passed = {p for p in self.asked if p <= self.offset + rows}
         if self.marks:
             passed.update(range(-(-(self.offset + 1) // self.marks) * self.marks, self.offset + rows + 1, self.marks))
-        for mark in sorted(passed) if self.inputs else ():
+        windowed = self.shape.conv_layers > 0 and (self.inputs[0] is not None or self.states[0] is not None)
+        for mark in sorted(passed) if windowed else ():
             self.kept_conv[mark] = tails(mark - self.offset)
             marked.extend(self.kept_conv[mark])
         self.asked -= passed
-        if self.inputs:
+        if windowed:
             self.conv = list(tails(rows))
         if self.tapped is not None and rows:
             if not self.staged:
@@ -123,6 +137,7 @@ class HybridCache:
         self.offset += rows
         self.window = None
         self.inputs = [None] * self.shape.conv_layers
+        self.states = [None] * self.shape.conv_layers
         return [*self.keys, *self.values, *self.conv, *marked]  # what keep() evaluates to cut the graph
 
     def take_taps(self) -> TappedRows | None:

@@ -168,8 +168,12 @@ class ShortConv(nn.Module):
         outs = []
         for start, n, cache, _ in spans:
             rows, tail = gated[start:start + n], cache.conv[slot]
-            inputs = cache.conv_input(slot, rows[None])  # [tail; rows]
-            outs.append(self.conv(inputs)[0] if self.served is None else self.served.run(tail, rows))
+            if self.served is None:
+                outs.append(self.conv(cache.conv_input(slot, rows[None]))[0])  # over [tail; rows]
+                continue
+            convolved, states = self.served.run(tail, rows)  # and the tail each row leaves, for keep()
+            cache.conv_states(slot, states)
+            outs.append(convolved)
         return c, (outs[0] if len(outs) == 1 else mx.concatenate(outs))
 
     def out(self, c: mx.array, convolved: mx.array) -> mx.array:

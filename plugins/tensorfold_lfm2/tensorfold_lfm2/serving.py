@@ -39,21 +39,25 @@ class ExpertMatrix(nn.Module):
 
 
 class ServedConv:
-    """The short conv's window through the stream conv record: each row from its stream's committed tail."""
+    """The short conv's window through the stream conv record: each row from its stream's committed tail, and the
+    tail each row leaves (what keep() commits). One prepared launch per dtype: a call is the kernel's launch alone."""
 
     def __init__(self, conv: nn.Conv1d, record, kind: str):
-        from tensorfold_contract.serving import ServedCall, call
+        from tensorfold_contract.serving import Prepared
 
         channels, taps, _ = conv.weight.shape
         dims = {"channels": channels, "L": taps, "bias": "bias" in conv}
-        implementation = record.implementations[kind]
+        fixed = lambda: {"w": conv.weight.reshape(channels, taps), **({"bias": conv.bias} if dims["bias"] else {})}
+        launches: dict = {}
 
-        def run(tail: mx.array, rows: mx.array) -> mx.array:
-            arrays = {"tails": tail, "bx": rows, "w": conv.weight.reshape(channels, taps)}
-            if dims["bias"]:
-                arrays["bias"] = conv.bias
-            served = ServedCall(rows.shape[0], {**dims, "dtype": str(rows.dtype).removeprefix("mlx.core.")}, arrays)
-            return call(kind, implementation, served)["y"]
+        def run(tail: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
+            """(y, states) of the window's rows after `tail` [1, L-1, channels]."""
+            dtype = str(rows.dtype).removeprefix("mlx.core.")
+            if dtype not in launches:
+                launches[dtype] = Prepared(kind, record.implementations[kind], {**dims, "dtype": dtype}, fixed, "bx",
+                                           per_call=("tails",))
+            out = launches[dtype](rows, tails=tail[0])
+            return out["y"], out["states"]
 
         self.run = run
 

@@ -128,6 +128,46 @@ def test_served_through_its_records_concurrent_replies_equal_the_ones_served_alo
         assert run.tokens(sid) == solo(model, serial(request))
 
 
+def test_a_served_conv_call_is_one_launch_that_reads_the_tail_it_is_given_each_time(monkeypatch):
+    from tensorfold_contract import serving
+    from tensorfold_lfm2.kernels.conv import RECORD
+
+    launches = []
+
+    def kernel(inputs, **launch):  # stands in for the built cuda kernel: what one launch would be given
+        launches.append(inputs)
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(launch["output_shapes"], launch["output_dtypes"])]
+
+    monkeypatch.setattr(serving, "_kernel", lambda kind, source, shared: kernel)
+    conv = nn.Conv1d(8, 8, kernel_size=3, groups=8, bias=False)
+    conv.weight = conv.weight.astype(mx.bfloat16)
+    served = ServedConv(conv, RECORD, "cuda")
+    rows = mx.ones((4, 8), mx.bfloat16)
+    for fill in (1, 2):
+        tail = mx.full((1, 2, 8), fill, mx.bfloat16)
+        convolved, states = served.run(tail, rows)
+        assert convolved.shape == (4, 8) and states.shape == (4, 2, 8)
+        assert mx.array_equal(launches[-1][0], tail[0]).item()  # this call's tail, not the first's
+    assert launches[0][4] is launches[1][4]  # the dims array made once for 4 rows
+
+
+def test_through_its_records_a_window_kept_in_part_leaves_the_conv_tails_of_one_row_steps(through_records):
+    # the stream conv record's per-row states are what keep() commits: a window cut after 3 rows (drafts rejected)
+    # and 3 one-row steps hold the same tails, marks included, and give the same next logits
+    model, tokenizer, _ = load_model("tiny-lfm2", BF16)
+    ids = tokenizer.encode(PROMPTS[2])
+    window, stepped = model.new_cache(64, marks=2), model.new_cache(64, marks=2)
+    model.forward([window], [ids], [len(ids)])
+    model.keep(window, 3)
+    for token in ids[:3]:
+        model.forward([stepped], [[token]], [1])
+        model.keep(stepped, 1)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(window.conv, stepped.conv))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(window.kept_conv[2], stepped.kept_conv[2]))
+    after = [model.forward([cache], [ids[3:5]], [2]) for cache in (window, stepped)]
+    assert mx.array_equal(*after).item()
+
+
 def test_a_served_moe_block_runs_only_the_experts_its_rows_picked(through_records, monkeypatch):
     from tensorfold_core.row_kernels import modules
 

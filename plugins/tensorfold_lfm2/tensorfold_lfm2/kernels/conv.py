@@ -128,7 +128,8 @@ def _family(case):
     conv = model.model.layers[0].conv.conv
     for name, value in model.sanitize(weights).items():
         setattr(conv, name.rsplit(".", 1)[1], value)
-    return model, conv, case.array("tails", dt)[:1], case.array("bx", dt)[None]
+    tails = case.array("tails", dt)  # every row's tail (a case), or the stream's one tail (a served call)
+    return model, conv, tails[None] if tails.ndim == 2 else tails[:1], case.array("bx", dt)[None]
 
 
 def _cache(model, tail, gated):
@@ -223,7 +224,8 @@ def _inputs(case):
     dt = mx_dtype(d["dtype"])
     w = case.array("w", dt)
     bias = case.array("bias", dt) if d["bias"] else w  # not read without a bias (HAS_BIAS is false)
-    return [mx.contiguous(case.array("tails", dt)[0]), case.array("bx", dt), w, bias,
+    tails = case.array("tails", dt)  # every row's tail (a case), or the stream's one tail (a served call)
+    return [tails if tails.ndim == 2 else mx.contiguous(tails[0]), case.array("bx", dt), w, bias,
             int_array([case.rows, d["channels"]])]
 
 
