@@ -160,7 +160,7 @@ def serve_kernels(model, gather: bool = True) -> dict:
         if op in usable:  # the embedding's weight read as a projection; kept out of the module tree (no twin)
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     if gather:  # an MoE block reads its picks on the host: the part of a layer that holds one runs op by op
-        if rope_by_rows(usable, kind):  # on the CPU
+        if rope_by_rows(usable, kind, record_attends="attention" in usable):  # the CPU, and where the record attends
             rope_rows(model)
         compile_halves(model.model.layers, usable, kind,
                        lambda layer: (True, not isinstance(layer.feed_forward, (ServedMoe, SparseMoeBlock))))
@@ -168,8 +168,9 @@ def serve_kernels(model, gather: bool = True) -> dict:
 
 
 def rope_rows(model) -> None:
-    """On the CPU, q and k roped in each attention layer's compiled first part, a position a row: one fused rope for
-    every stream's rows where a rope a stream cost MLX's composed rope (some 30 ops) each time, the same bits."""
+    """q and k roped in each attention layer's compiled first part, a position a row: one fused rope for every
+    stream's rows where a rope a stream cost two launches a layer a stream (on the CPU MLX's composed rope, some 30
+    ops), the same bits; the window attention record then reads the roped keys from the cache as it did."""
     model.roped = True
     for layer in model.model.layers:
         if layer.is_attention_layer:
