@@ -106,22 +106,32 @@ class Attention(nn.Module):
         # whole buffer, each row over its own keys in fixed splits; None: MLX's fast SDPA
         self.attend = None
         # True: q and k come roped from the layer's compiled first part, every row at its own position, one rope for
-        # every stream's rows (serving.py, on the CPU); False: roped per stream in `mix`
+        # every stream's rows (serving.py); False: roped per stream in `mix`
         self.roped = False
+        object.__setattr__(self, "out_residual", None)  # out_proj adding the residual in its launch (serving.py)
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        rows = x.shape[0]
-        queries = self.q_layernorm(self.q_proj(x).reshape(rows, self.n_heads, -1))  # per-head norms are row-wise
-        keys = self.k_layernorm(self.k_proj(x).reshape(rows, self.n_kv_heads, -1))
-        return queries, keys, self.v_proj(x).reshape(rows, self.n_kv_heads, -1)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
 
-    def project_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """`project`, q and k roped at each row's own position (one rope a row, as a window's rope at its offset)."""
-        rows = x.shape[0]
-        queries, keys, values = self.project(x)
+    def project_joined(self, qkv: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """`project` from q|k|v side by side, as one launch over the stacked weights writes them (serving.py)."""
+        q_end = self.n_heads * self.head_dim
+        return self.heads(qkv[:, :q_end], qkv[:, q_end:q_end + self.n_kv_heads * self.head_dim],
+                          qkv[:, q_end + self.n_kv_heads * self.head_dim:])
+
+    def heads(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        rows = q.shape[0]
+        queries = self.q_layernorm(q.reshape(rows, self.n_heads, -1))  # per-head norms are row-wise
+        keys = self.k_layernorm(k.reshape(rows, self.n_kv_heads, -1))
+        return queries, keys, v.reshape(rows, self.n_kv_heads, -1)
+
+    def rope_rows(self, queries: mx.array, keys: mx.array, values: mx.array,
+                  positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """q and k roped at each row's own position (one rope a row, as a window's rope at its offset)."""
+        rows = queries.shape[0]
         queries = self.rope(queries[:, :, None], positions).reshape(rows, self.n_heads, -1)
         return queries, self.rope(keys[:, :, None], positions).reshape(rows, self.n_kv_heads, -1), values
 
@@ -144,8 +154,9 @@ class Attention(nn.Module):
         # the record writes float32: one cast for every stream's rows, not a launch a stream (the same bits)
         return (mixed if self.attend is None else mixed.astype(values.dtype)),
 
-    def out(self, mixed: mx.array) -> mx.array:
-        return self.out_proj(mixed)
+    def out_rows(self, mixed: mx.array) -> mx.array:
+        """What out_proj reads."""
+        return mixed
 
 
 class ShortConv(nn.Module):
@@ -158,9 +169,14 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(dim, dim, kernel_size=args.conv_L_cache, groups=dim, bias=args.conv_bias)
         self.out_proj = nn.Linear(dim, dim, bias=args.conv_bias)
         self.served = None  # the stream conv record where the table names one (serving.py); None: nn.Conv1d
+        object.__setattr__(self, "out_residual", None)  # out_proj adding the residual in its launch (serving.py)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        b, c, x = mx.split(self.in_proj(x), 3, axis=-1)
+        return self.project_joined(self.in_proj(x))
+
+    def project_joined(self, bcx: mx.array) -> tuple[mx.array, mx.array]:
+        """C and the gated B·x from in_proj's output."""
+        b, c, x = mx.split(bcx, 3, axis=-1)
         return c, b * x
 
     def mix(self, c: mx.array, gated: mx.array, spans: Sequence[Span], slot: int) -> tuple[mx.array, mx.array]:
@@ -176,8 +192,9 @@ class ShortConv(nn.Module):
             outs.append(convolved)
         return c, (outs[0] if len(outs) == 1 else mx.concatenate(outs))
 
-    def out(self, c: mx.array, convolved: mx.array) -> mx.array:
-        return self.out_proj(c * convolved)
+    def out_rows(self, c: mx.array, convolved: mx.array) -> mx.array:
+        """What out_proj reads: C gates the conv."""
+        return c * convolved
 
 
 class MLP(nn.Module):
@@ -186,9 +203,12 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        # w1|w3 storing swiglu of its halves in one launch, w2 adding the residual in its launch (serving.py)
+        object.__setattr__(self, "swiglu", None)
+        object.__setattr__(self, "down_residual", None)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(self.swiglu(x) if self.swiglu is not None else swiglu(self.w1(x), self.w3(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -207,20 +227,32 @@ class DecoderLayer(nn.Module):
         # None: the methods themselves (kept out of the attribute, whose bound methods would make a reference cycle
         # that keeps a dropped model's weights alive until the next garbage collection)
         object.__setattr__(self, "halves", None)
+        # the operator norm read by the op's input launch (q|k|v or in_proj, its parts side by side), the ffn norm by
+        # w1|w3's swiglu-storing launch: one launch each where there were two (serving.py)
+        object.__setattr__(self, "normed_in", None)
+        object.__setattr__(self, "normed_swiglu", None)
 
     @property
     def op(self) -> nn.Module:
         return self.self_attn if self.is_attention_layer else self.conv
 
     def before(self, x: mx.array) -> tuple[mx.array, ...]:
+        if self.normed_in is not None:
+            return self.op.project_joined(self.normed_in(x))
         return self.op.project(self.operator_norm(x))
 
     def before_roped(self, x: mx.array, positions: mx.array) -> tuple[mx.array, ...]:
-        return self.self_attn.project_roped(self.operator_norm(x), positions)
+        return self.self_attn.rope_rows(*self.before(x), positions)
 
     def after(self, x: mx.array, *mixed: mx.array) -> mx.array:
-        h = x + self.op.out(*mixed)
-        return h + self.feed_forward(self.ffn_norm(h))
+        op, ff = self.op, self.feed_forward
+        rows = op.out_rows(*mixed)
+        h = op.out_residual(rows, x) if op.out_residual is not None else x + op.out_proj(rows)
+        if self.normed_swiglu is not None:
+            return ff.down_residual(self.normed_swiglu(h), h)
+        if getattr(ff, "down_residual", None) is not None:
+            return ff.down_residual(ff.swiglu(self.ffn_norm(h)), h)
+        return h + ff(self.ffn_norm(h))
 
     def __call__(self, x: mx.array, spans: Sequence[Span], slot: int, positions: mx.array | None = None) -> mx.array:
         before, after = self.halves or (self.before, self.after)

@@ -8,6 +8,16 @@ from tensorfold_core.kernels import BUILTIN
 # then each row's picks in order, so no row's product depends on which rows chose the same expert).
 OPS = {
     "projection bf16": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16", "metal": "lfm2 gemv bf16"},
+    # out_proj and w2 adding the residual in their launch, w1|w3 storing swiglu of its halves, and the operator and
+    # ffn norms folded into the launches that read them (in_proj or q|k|v; w1|w3): the llama family's fusions, the
+    # same shared records at lfm2's shapes (served where the layers are compiled on one machine)
+    "projection bf16 residual": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16 + residual",
+                                 "metal": "lfm2 gemv bf16 + residual"},
+    "projection bf16 swiglu": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16 gate|up swiglu",
+                               "metal": "lfm2 gemv bf16 gate|up swiglu"},
+    "projection bf16 rmsnorm": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16 rmsnorm", "metal": "lfm2 gemv bf16 rmsnorm"},
+    "projection bf16 rmsnorm swiglu": {"cpu": BUILTIN, "cuda": "lfm2 gemv bf16 rmsnorm gate|up swiglu",
+                                       "metal": "lfm2 gemv bf16 rmsnorm gate|up swiglu"},
     "projection q4": {"cpu": BUILTIN, "cuda": "lfm2 gemv q4", "metal": "lfm2 gemv q4"},
     "projection q8": {"cpu": BUILTIN, "cuda": "lfm2 gemv q8", "metal": "lfm2 gemv q8"},
     "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "lfm2 rmsnorm"},  # row-invariant on CUDA, as llama's

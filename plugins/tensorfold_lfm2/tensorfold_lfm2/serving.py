@@ -9,8 +9,9 @@ from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (RecordLinear, Served, compile_halves, projection_op, rope_by_rows,
-                                                swap_tree, swaps)
+from tensorfold_core.row_kernels.modules import (RecordLinear, Served, compile_halves, compiling, fused, normed_fused,
+                                                projection_op, residual_fused, rope_by_rows, swap_tree, swaps,
+                                                swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
@@ -160,11 +161,38 @@ def serve_kernels(model, gather: bool = True) -> dict:
         if op in usable:  # the embedding's weight read as a projection; kept out of the module tree (no twin)
             object.__setattr__(model, "served_head", RecordLinear(embed, usable[op], kind))
     if gather:  # an MoE block reads its picks on the host: the part of a layer that holds one runs op by op
+        if compiling(usable, kind):  # one machine's whole sums only: a group's rank adds the residual after its sum
+            fuse_launches(model, usable, kind)
         if rope_by_rows(usable, kind, record_attends="attention" in usable):  # the CPU, and where the record attends
             rope_rows(model)
         compile_halves(model.model.layers, usable, kind,
                        lambda layer: (True, not isinstance(layer.feed_forward, (ServedMoe, SparseMoeBlock))))
     return labels
+
+
+def fuse_launches(model, usable: dict, kind: str) -> None:
+    """Each layer's launches joined where the table serves the fused records (bf16, no biases): the operator norm
+    read by in_proj or q|k|v in one launch, out_proj and the MLP's down projection adding the residual, the ffn norm
+    read by gate|up storing swiglu; each a launch or two fewer, every row's sums in the plain GEMV's order."""
+    residual = lambda projection: residual_fused(projection, usable, kind, model.dtype, "projection bf16 residual")
+    for layer in model.model.layers:
+        op = layer.op
+        object.__setattr__(op, "out_residual", residual(op.out_proj))
+        parts = [op.q_proj, op.k_proj, op.v_proj] if layer.is_attention_layer else [op.in_proj]
+        stacked = fused(parts, usable, kind, model.dtype)
+        object.__setattr__(layer, "normed_in", normed_fused(stacked, layer.operator_norm, usable, kind, swiglu=False))
+        ff = layer.feed_forward
+        names = next((n for n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj")) if n[0] in ff), None)
+        if names is None:  # an MoE block: its experts are served apart (ServedMoe)
+            continue
+        gate_up = fused([ff[names[0]], ff[names[1]]], usable, kind, model.dtype)
+        swiglu = swiglu_fused(gate_up, usable, kind)
+        down = None if swiglu is None else residual(ff[names[2]])
+        if down is not None:  # swiglu stored by gate|up, the down projection adding the residual
+            object.__setattr__(ff, "swiglu", swiglu)
+            object.__setattr__(ff, "down_residual", down)
+            object.__setattr__(layer, "normed_swiglu", normed_fused(gate_up, layer.ffn_norm, usable, kind,
+                                                                    swiglu=True))
 
 
 def rope_rows(model) -> None:

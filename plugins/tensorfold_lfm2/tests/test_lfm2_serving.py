@@ -168,6 +168,28 @@ def test_through_its_records_a_window_kept_in_part_leaves_the_conv_tails_of_one_
     assert mx.array_equal(*after).item()
 
 
+@pytest.mark.parametrize("name", ["tiny-lfm2", "tiny-lfm2-moe"])
+def test_compiled_layers_fold_norms_residuals_and_swiglu_into_their_launches_with_the_logits_of_launches_apart(
+        name, through_records, monkeypatch):
+    from tensorfold_core.row_kernels.modules import FUSED_ENV, RecordNormed, RecordResidual, RecordSwiglu
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    model, tokenizer, _ = load_model(name, BF16)
+    dense = [layer for layer in model.model.layers if "w1" in layer.feed_forward or "gate_proj" in layer.feed_forward]
+    assert dense and all(isinstance(layer.normed_in, RecordNormed) and isinstance(layer.op.out_residual, RecordResidual)
+                         for layer in model.model.layers)
+    assert all(isinstance(layer.normed_swiglu, RecordNormed) and isinstance(layer.feed_forward.swiglu, RecordSwiglu)
+               for layer in dense)
+    assert model.kernels["projection bf16 rmsnorm swiglu"] == "lfm2 gemv bf16 rmsnorm gate|up swiglu (mlx)"
+    monkeypatch.setenv(FUSED_ENV, "0")
+    apart, _, _ = load_model(name, BF16)
+    assert not any(layer.normed_in or layer.normed_swiglu or layer.op.out_residual for layer in apart.model.layers)
+    for text in PROMPTS:
+        ids = tokenizer.encode(text)
+        ours, theirs = (m.forward([m.new_cache(64)], [ids], [len(ids)]) for m in (model, apart))
+        assert mx.array_equal(ours, theirs).item()
+
+
 def test_a_served_moe_block_runs_only_the_experts_its_rows_picked(through_records, monkeypatch):
     from tensorfold_core.row_kernels import modules
 

@@ -4,7 +4,7 @@ gate, the tied head), RMSNorm (the blocks' and the per-head q/k norms) and windo
 from __future__ import annotations
 
 from tensorfold_contract import Shape
-from tensorfold_core.row_kernels import attention, gemv, rmsnorm
+from tensorfold_core.row_kernels import attention, gemv, gemv_fused, gemv_normed, rmsnorm
 
 from .common import LFM2_1B, TINY_LFM2, TINY_MOE, TINY_MOE_MLP
 
@@ -34,13 +34,40 @@ def projections(bits: int, group: int = 64) -> tuple[Shape, ...]:
     return tuple(out)
 
 
+def fused_projections(fusion: str) -> tuple[Shape, ...]:
+    """Each model's out_proj and w2 (residual: they add it), w1|w3 (swiglu: n the swiglu's width), at the widest
+    call; a group's ranks add the residual after their sum, so no shard shape is served fused."""
+    out = []
+    for label, m, heavy in MODELS:
+        d, ff = m["hidden"], m["ff"]
+        sizes = {"residual": [("out_proj", d, d), ("w2", d, ff)], "swiglu": [("w1|w3", ff, d)]}[fusion]
+        out += [Shape(f"{label} {what} {n}x{k}", {"n": n, "k": k, "out": gemv.OUT}, gemv.WIDEST_CALL, heavy)
+                for what, n, k in sizes]
+    return tuple(out)
+
+
+def normed_projections(fusion: str) -> tuple[Shape, ...]:
+    """Each model's operator norm read by conv in_proj and by q|k|v (norm), its ffn norm by w1|w3 storing swiglu
+    (norm swiglu: n the swiglu's width), at the widest call."""
+    out = []
+    for label, m, heavy in MODELS:
+        d, kv = m["hidden"], m["kv_heads"] * m["head_dim"]
+        sizes = [("in_proj", 3 * d), ("q|k|v", d + 2 * kv)] if fusion == "norm" else [("w1|w3", m["ff"])]
+        out += [gemv_normed.shape(f"{label} {what} {n}x{d}", n, d, 1e-5, heavy=heavy) for what, n in sizes]
+    return tuple(out)
+
+
 def records() -> list:
     norms = tuple(rmsnorm.shape(f"{label} {what} bf16", width, "bfloat16")
                   for label, m, _ in MODELS for what, width in (("hidden", m["hidden"]), ("q/k head", m["head_dim"])))
     heads = (attention.shape("tiny-lfm2 bf16, 700 keys", TINY_LFM2, 700),
              attention.shape("tiny-lfm2 fp32, 40 keys", TINY_LFM2, 40, "float32"),
              attention.shape("LFM2-1.2B bf16, 4096 keys", LFM2_1B, 4096, heavy=True))
-    return [gemv.record("lfm2", 16, projections(16)), gemv.record("lfm2", 4, projections(4)),
+    return [gemv.record("lfm2", 16, projections(16)), gemv_fused.record("lfm2", "residual", fused_projections("residual")),
+            gemv_fused.record("lfm2", "swiglu", fused_projections("swiglu")),
+            gemv_normed.record("lfm2", "norm", normed_projections("norm")),
+            gemv_normed.record("lfm2", "norm swiglu", normed_projections("norm swiglu")),
+            gemv.record("lfm2", 4, projections(4)),
             gemv.record("lfm2", 8, projections(8)), rmsnorm.record("lfm2", (rmsnorm.shape("tiny-lfm2 fp32", 256),
                                                                             *norms)),
             attention.record("lfm2", heads)]
