@@ -91,11 +91,16 @@ class HybridCache:
         """Grow the key and value storage when a window reaches past it (a long prefill chunk near capacity)."""
         self.keys, self.values = grown(self.keys, self.offset + n), grown(self.values, self.offset + n)
 
-    def write(self, slot: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the window's keys and values at offset..; return every key and value up to its last row."""
+    def store(self, slot: int, k: mx.array, v: mx.array) -> None:
+        """Store the window's keys and values at offset.. (a window attention record reads the whole buffer)."""
         end = self.offset + k.shape[2]
         self.keys[slot][..., self.offset:end, :] = k
         self.values[slot][..., self.offset:end, :] = v
+
+    def write(self, slot: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the window's keys and values at offset..; return every key and value up to its last row."""
+        self.store(slot, k, v)
+        end = self.offset + k.shape[2]
         return self.keys[slot][..., :end, :], self.values[slot][..., :end, :]
 
     def conv_input(self, slot: int, gated: mx.array) -> mx.array:

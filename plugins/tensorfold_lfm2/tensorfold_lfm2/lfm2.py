@@ -139,6 +139,13 @@ class Attention(nn.Module):
             slot: int) -> tuple[mx.array]:
         outs = []
         for start, n, cache, mask in spans:  # projections are packed; attention runs per stream on its cache
+            if self.roped and self.attend is not None:  # the roped rows into the cache, the record over it all
+                cache.store(slot, keys[start:start + n].transpose(1, 0, 2)[None],
+                            values[start:start + n].transpose(1, 0, 2)[None])
+                o = self.attend(queries[start:start + n], cache.keys[slot], cache.values[slot], cache.offset,
+                                self.scale, None)
+                outs.append(o.reshape(n, -1))
+                continue
             q, k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
             if not self.roped:
                 q, k = self.rope(q, cache.offset), self.rope(k, cache.offset)
