@@ -6,13 +6,19 @@ import pytest
 
 from tensorfold_core.lanes.engine import Engine
 from tensorfold_core.lanes.guards import SharedGuard
-from tensorfold_core.lanes.row_costs import band_counts
+from tensorfold_core.lanes.row_costs import TIME_ROWS_ENV, band_counts
 from tensorfold_core.loading import load_model
 
 
 @pytest.fixture(scope="module")
 def model(tiny_llama_path):
     return load_model(str(tiny_llama_path))[0]
+
+
+@pytest.fixture
+def timing(monkeypatch):
+    """Forwards timed at start on this CPU too (a GPU's default)."""
+    monkeypatch.setenv(TIME_ROWS_ENV, "1")
 
 
 def test_each_band_of_shared_rounds_is_timed_at_its_widest_count_that_fits_the_slots():
@@ -22,7 +28,7 @@ def test_each_band_of_shared_rounds_is_timed_at_its_widest_count_that_fits_the_s
     assert band_counts(16) == [2, 4, 8, 16]
 
 
-def test_a_timed_engine_that_may_draft_primes_a_line_for_each_band_with_forwards_of_one_and_five_rows(model):
+def test_a_timed_engine_that_may_draft_primes_a_line_for_each_band_with_forwards_of_one_and_five_rows(model, timing):
     engine = Engine(model, timed=True)
     timed = engine.time_rows(8)
     assert {streams: sorted(forwards) for streams, forwards in timed.items()} == \
@@ -34,23 +40,29 @@ def test_a_timed_engine_that_may_draft_primes_a_line_for_each_band_with_forwards
         assert line.round_ms(5 * streams) >= line.round_ms(streams) > 0
 
 
-def test_an_engine_that_is_untimed_runs_alone_or_fixes_its_depth_times_nothing(model):
+def test_an_engine_that_is_untimed_runs_alone_or_fixes_its_depth_times_nothing(model, timing):
     assert Engine(model).time_rows(8) == {}
     assert Engine(model, timed=True, shared_rounds=False).time_rows(8) == {}
     assert Engine(model, timed=True, fixed_depth=2).time_rows(8) == {}
     assert Engine(model, timed=True, copy_drafts=False).time_rows(8) == {}  # no drafter, no copies: nothing drafts
 
 
-def test_the_timed_forwards_leave_the_model_serving_the_same_tokens(model):
+def test_the_timed_forwards_leave_the_model_serving_the_same_tokens(model, timing):
     from tensorfold_core.lanes.types import GenerationRequest
     from tensorfold_core.testing import solo
 
     request = GenerationRequest(prompt_ids=[5, 9, 2, 7], max_tokens=12)
     before = solo(model, request)
-    Engine(model, timed=True).time_rows(4)
+    assert Engine(model, timed=True).time_rows(4)
     assert solo(model, request) == before
 
 
-def test_a_servers_host_primes_its_bands_of_shared_rounds(served):
-    lines = served.host.engine.planner.shared_costs
-    assert sorted(lines) == [SharedGuard.band(2), SharedGuard.band(4)]  # parallel=4
+def test_on_the_cpu_a_server_keeps_the_prior_unless_asked_and_time_rows_0_keeps_it_anywhere(served, model,
+                                                                                           monkeypatch):
+    assert served.host.engine.planner.shared_costs == {}  # the CPU's shares are the prior's own
+    assert Engine(model, timed=True).time_rows(4) == {}
+    monkeypatch.setenv(TIME_ROWS_ENV, "1")
+    assert sorted(Engine(model, timed=True).time_rows(4)) == [2, 4]
+    monkeypatch.setenv(TIME_ROWS_ENV, "0")
+    engine = Engine(model, timed=True)
+    assert engine.time_rows(8) == {} and engine.planner.shared_costs == {}

@@ -16,7 +16,7 @@ from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
-from .row_costs import prime_shared_lines
+from .row_costs import prime_shared_lines, times_rows
 from .rows import RowStage
 from .stream import Stream
 from .types import ErrorEvent, SpecCounters
@@ -88,9 +88,11 @@ class Engine:
     def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
         """Time the target's forwards for shared rounds of up to `parallel` streams (a timed engine that may draft:
         a server), so their verify rows are priced by this machine's costs from the first round; {streams: {rows:
-        ms}}, empty where nothing would read them."""
+        ms}}, empty where nothing would read them, and on the CPU unless TENSORFOLD_TIME_ROWS=1 asks (row_costs)."""
         can_draft = self.drafter is not None or self.copy_drafts
         if not (self.planner.timed and self.shared_rounds and can_draft and self.fixed_depth is None):
+            return {}
+        if not times_rows():
             return {}
         return prime_shared_lines(self.planner, self.model, parallel)
 

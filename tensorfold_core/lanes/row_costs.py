@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import mlx.core as mx
@@ -13,6 +14,19 @@ WIDTHS = (1, 5)  # rows of each stream's window in a timed forward: plain, and f
 UNTIMED = 2  # forwards of a shape run first: MLX builds its kernels, and a compiled forward traces, on early calls
 TIMED = 3  # forwards timed after them; the fastest is kept (a preempted one reads long)
 CAPACITY = 16  # tokens each throwaway cache holds: a window of WIDTHS' widest at the start of its stream
+# "1": forwards timed at start on any backend, "0": on none (the prior's slope until rounds tell); unset: on a GPU
+TIME_ROWS_ENV = "TENSORFOLD_TIME_ROWS"
+
+
+def times_rows() -> bool:
+    """Whether a server times its forwards at start here: on a GPU, where the prior's slope priced a verify row at ten
+    times its cost; not on the CPU, whose shares the prior was made from (there the timed line took DSpark's 4- and
+    8-stream speed from about 1.5x and 1.34x plain to 1.4x and 1.24x: docs/speculation.md), unless
+    TENSORFOLD_TIME_ROWS says."""
+    wanted = os.environ.get(TIME_ROWS_ENV, "")
+    if wanted in ("0", "1"):
+        return wanted == "1"
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def band_counts(parallel: int) -> list[int]:
