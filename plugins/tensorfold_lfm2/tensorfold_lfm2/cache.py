@@ -114,7 +114,7 @@ class HybridCache:
 
     def _tail(self, slot: int, r: int) -> mx.array:
         """The conv layer's tail after the window's first `r` rows, [1, conv_tail, conv_dim]: a copy, so the window's
-        arrays are freed."""
+        arrays are freed (after none, the committed tail itself)."""
         if self.states[slot] is not None:
             return self.conv[slot] if r == 0 else mx.contiguous(self.states[slot][r - 1:r])
         return mx.contiguous(self.inputs[slot][:, r:r + self.shape.conv_tail])

@@ -119,8 +119,8 @@ class Attention(nn.Module):
     def project_joined(self, qkv: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """`project` from q|k|v side by side, as one launch over the stacked weights writes them (serving.py)."""
         q_end = self.n_heads * self.head_dim
-        return self.heads(qkv[:, :q_end], qkv[:, q_end:q_end + self.n_kv_heads * self.head_dim],
-                          qkv[:, q_end + self.n_kv_heads * self.head_dim:])
+        k_end = q_end + self.n_kv_heads * self.head_dim
+        return self.heads(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])
 
     def heads(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         rows = q.shape[0]

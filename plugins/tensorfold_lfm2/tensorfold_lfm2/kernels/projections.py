@@ -63,7 +63,8 @@ def records() -> list:
     heads = (attention.shape("tiny-lfm2 bf16, 700 keys", TINY_LFM2, 700),
              attention.shape("tiny-lfm2 fp32, 40 keys", TINY_LFM2, 40, "float32"),
              attention.shape("LFM2-1.2B bf16, 4096 keys", LFM2_1B, 4096, heavy=True))
-    return [gemv.record("lfm2", 16, projections(16)), gemv_fused.record("lfm2", "residual", fused_projections("residual")),
+    return [gemv.record("lfm2", 16, projections(16)),
+            gemv_fused.record("lfm2", "residual", fused_projections("residual")),
             gemv_fused.record("lfm2", "swiglu", fused_projections("swiglu")),
             gemv_normed.record("lfm2", "norm", normed_projections("norm")),
             gemv_normed.record("lfm2", "norm swiglu", normed_projections("norm swiglu")),
