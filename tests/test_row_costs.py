@@ -66,3 +66,16 @@ def test_on_the_cpu_a_server_keeps_the_prior_unless_asked_and_time_rows_0_keeps_
     monkeypatch.setenv(TIME_ROWS_ENV, "0")
     engine = Engine(model, timed=True)
     assert engine.time_rows(8) == {} and engine.planner.shared_costs == {}
+
+
+def test_a_gpu_times_its_forwards_by_default_and_the_cpu_does_not(monkeypatch):
+    import mlx.core as mx
+
+    from tensorfold_core.lanes import row_costs
+
+    monkeypatch.delenv(TIME_ROWS_ENV, raising=False)
+    assert not row_costs.times_rows()
+    monkeypatch.setattr(row_costs.mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    assert row_costs.times_rows()
+    monkeypatch.setenv(TIME_ROWS_ENV, "0")
+    assert not row_costs.times_rows()
