@@ -90,9 +90,7 @@ class Engine:
         a server), so their verify rows are priced by this machine's costs from the first round; {streams: {rows:
         ms}}, empty where nothing would read them, and on the CPU unless TENSORFOLD_TIME_ROWS=1 asks (row_costs)."""
         can_draft = self.drafter is not None or self.copy_drafts
-        if not (self.planner.timed and self.shared_rounds and can_draft and self.fixed_depth is None):
-            return {}
-        if not times_rows():
+        if not (self.planner.timed and self.shared_rounds and can_draft and self.fixed_depth is None and times_rows()):
             return {}
         return prime_shared_lines(self.planner, self.model, parallel)
 

@@ -49,15 +49,16 @@ class ServedConv:
         channels, taps, _ = conv.weight.shape
         dims = {"channels": channels, "L": taps, "bias": "bias" in conv}
         fixed = lambda: {"w": conv.weight.reshape(channels, taps), **({"bias": conv.bias} if dims["bias"] else {})}
-        launches: dict = {}
+        launches: dict = {}  # rows' dtype -> its prepared launch
 
         def run(tail: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
             """(y, states) of the window's rows after `tail` [1, L-1, channels]."""
-            dtype = str(rows.dtype).removeprefix("mlx.core.")
-            if dtype not in launches:
-                launches[dtype] = Prepared(kind, record.implementations[kind], {**dims, "dtype": dtype}, fixed, "bx",
-                                           per_call=("tails",))
-            out = launches[dtype](rows, tails=tail[0])
+            launch = launches.get(rows.dtype)
+            if launch is None:
+                dtype = str(rows.dtype).removeprefix("mlx.core.")
+                launch = launches[rows.dtype] = Prepared(kind, record.implementations[kind], {**dims, "dtype": dtype},
+                                                         fixed, "bx", per_call=("tails",))
+            out = launch(rows, tails=tail[0])
             return out["y"], out["states"]
 
         self.run = run
