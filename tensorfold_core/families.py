@@ -174,6 +174,14 @@ def check_keep(cache: WindowCache, rows: int) -> None:
         raise ValueError(f"a cache of capacity {cache.capacity} cannot hold {cache.offset + rows} tokens")
 
 
+def size_class(tokens: int) -> int:
+    """The least of 256 and the sizes m·2^e (m from 4 to 7) that holds `tokens`: four sizes an octave."""
+    if tokens <= 256:
+        return 256
+    step = 1 << ((tokens - 1).bit_length() - 3)
+    return -(-tokens // step) * step
+
+
 def grown(arrays: list[mx.array], rows: int) -> list[mx.array]:
     """Keys or values [1 or layers, heads, size, dim] padded by GROW_STEP rows at a time until they hold `rows` rows."""
     size = arrays[0].shape[2] if arrays else rows

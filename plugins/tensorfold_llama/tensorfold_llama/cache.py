@@ -7,14 +7,6 @@ import mlx.core as mx
 from tensorfold_core.families import WINDOW_SLACK, grown
 
 
-def size_class(tokens: int) -> int:
-    """The least of 256 and the sizes m·2^e (m from 4 to 7) that holds `tokens`: four sizes an octave."""
-    if tokens <= 256:
-        return 256
-    step = 1 << ((tokens - 1).bit_length() - 3)
-    return -(-tokens // step) * step
-
-
 class KeptKV:
     """Keys and values of `tokens` committed tokens, restorable at any prefix of them."""
 

@@ -10,10 +10,10 @@ import mlx.nn as nn
 
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
-                                      packed_ids, picked_logits, swiglu)
+                                      packed_ids, picked_logits, size_class, swiglu)
+from tensorfold_core.row_kernels.step_arrays import StreamGroup, row_positions, stream_groups
 
-from .cache import KeptKV, KVCache, StackedKV, size_class
-from .step_arrays import row_positions, rowmap
+from .cache import KeptKV, KVCache, StackedKV
 
 
 @dataclass
@@ -84,25 +84,6 @@ class RoPE(nn.Module):
         freqs = (np.array(self._freqs, np.float64) if self._freqs is not None
                  else self.base ** (np.arange(0, self.dims, 2, dtype=np.float64) / self.dims))
         return mx.array((freqs / self.scale).astype(np.float32))
-
-
-StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
-
-
-def stream_groups(spans: Sequence[Span], positions: mx.array) -> list[StreamGroup]:
-    """A forward's streams in groups of as many as one packed-streams launch takes, each with its rows' map."""
-    from tensorfold_core.row_kernels.attention_sources import STREAM_SLOTS
-    from tensorfold_core.row_kernels.attention_streams import Packed
-
-    groups = []
-    for g in range(0, len(spans), STREAM_SLOTS):
-        part = spans[g:g + STREAM_SLOTS]
-        lo = part[0][0]
-        hi = part[-1][0] + part[-1][1]
-        layout = tuple((start - lo, n, cache.offset) for start, n, cache, _ in part)
-        packed = Packed(layout, rowmap(layout, positions[lo:hi]))
-        groups.append((lo, hi, packed, [s[2].k for s in part], [s[2].v for s in part]))
-    return groups
 
 
 def run_layers(layers: Sequence[nn.Module], parts: Sequence[tuple], stack_kv, h: mx.array, positions: mx.array,

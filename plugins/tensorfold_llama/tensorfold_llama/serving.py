@@ -5,28 +5,19 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (KeyCompiled, RecordLinear, compile_halves, compiling, fused,
-                                                 normed_fused, projection_op, residual_fused, rope_by_rows, swaps,
-                                                 swiglu_fused)
+from tensorfold_core.row_kernels.modules import (STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV, KeyCompiled, RecordLinear,
+                                                 compile_halves, compiling, fused, normed_fused, projection_op,
+                                                 residual_fused, rope_by_rows, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
 
-# where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
-# default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
-STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
 # where rope runs by rows, q and k are roped (and v copied) into their heads by one launch of the rope qkv record
 # straight from the q|k|v launch's rows (the default where it serves); "0" slices and ropes them op by op, to measure
 ROPE_QKV_ENV = "TENSORFOLD_ROPE_QKV"
-# where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
-# (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
-STACK_KV_ENV = "TENSORFOLD_STACK_KV"
 # "1": where the norm folds into q|k|v and rope qkv serves, rope is stored by that launch too (neox pairs), a launch
 # fewer a layer; not the default: slower on the H200 than the two launches so far (docs/performance.md)
 ROPE_IN_ENV = "TENSORFOLD_ROPE_IN"
-# where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
-# default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
-WHOLE_ENV = "TENSORFOLD_WHOLE_FORWARD"
 
 
 class RopedQKV:

@@ -479,7 +479,7 @@ def test_a_shape_compiled_function_keeps_only_its_most_recently_used_traces():
 
 def test_where_a_forward_is_compiled_whole_without_offsets_caches_come_in_four_sizes_an_octave(through_records,
                                                                                                 monkeypatch):
-    from tensorfold_llama.cache import size_class
+    from tensorfold_core.families import size_class
     from tensorfold_llama.serving import WHOLE_ENV
 
     whole, apart, _ = compiled_with_and_without(monkeypatch, WHOLE_ENV)
@@ -530,7 +530,7 @@ def test_a_forward_s_positions_and_row_maps_made_by_device_ops_hold_the_host_mad
 
     from tensorfold_core.families import Span
     from tensorfold_core.row_kernels.attention_streams import packed
-    from tensorfold_llama.step_arrays import DEVICE_ARRAYS_ENV, row_positions, rowmap
+    from tensorfold_core.row_kernels.step_arrays import DEVICE_ARRAYS_ENV, row_positions, rowmap
 
     layouts = [[(1, 40)], [(5, 0)], [(1, 7), (1, 900)], [(2, 3), (0, 11), (4, 60)], [(1, o) for o in range(8)]]
     for layout in layouts:

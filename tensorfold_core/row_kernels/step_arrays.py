@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from tensorfold_core.families import Span, row_positions as host_row_positions
-from tensorfold_core.row_kernels.attention_streams import packed
+from tensorfold_core.row_kernels.attention_streams import STREAM_SLOTS, Packed, packed
 from tensorfold_core.row_kernels.modules import ShapeCompiled
 
 # "0": made on the host each step instead, as before (a measurement: bench variant `:host-arrays`)
@@ -71,3 +71,19 @@ def rowmap(spans: Sequence[tuple[int, int, int]], positions: mx.array) -> mx.arr
     if static.shape[0] == 0:
         return static
     return _rowmap_of(static, positions, _COLUMN[0])
+
+
+StreamGroup = tuple  # (first row, row past the last, Packed, the streams' key buffers, their value buffers)
+
+
+def stream_groups(spans: Sequence[Span], positions: mx.array) -> list[StreamGroup]:
+    """A forward's streams in groups of as many as one packed-streams launch takes, each with its rows' map."""
+    groups = []
+    for g in range(0, len(spans), STREAM_SLOTS):
+        part = spans[g:g + STREAM_SLOTS]
+        lo = part[0][0]
+        hi = part[-1][0] + part[-1][1]
+        layout = tuple((start - lo, n, cache.offset) for start, n, cache, _ in part)
+        groups.append((lo, hi, Packed(layout, rowmap(layout, positions[lo:hi])), [s[2].keys[0] for s in part],
+                       [s[2].values[0] for s in part]))
+    return groups
