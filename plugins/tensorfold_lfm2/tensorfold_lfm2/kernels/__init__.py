@@ -4,6 +4,6 @@ their records of the shared row kernels (GEMV, RMSNorm, window attention)."""
 
 def records() -> list:
     """Every lfm2 kernel record, for the `tensorfold_kernels` hook (imports mlx and the contract on call)."""
-    from . import conv, projections, router
+    from . import conv, conv_streams, projections, router
 
-    return [conv.RECORD, router.RECORD, *projections.records()]
+    return [conv.RECORD, conv_streams.RECORD, router.RECORD, *projections.records()]
