@@ -35,9 +35,10 @@ class KeptState:
 
     shape: Shape
     tokens: int
-    keys: tuple[mx.array, ...]  # per attention layer, [1, kv_heads, tokens, head_dim]
+    keys: tuple[mx.array, ...]  # per attention layer, [1, kv_heads, tokens, head_dim] (stacked: one, [layers, ...])
     values: tuple[mx.array, ...]
     conv: dict[int, tuple[mx.array, ...]]  # resume point -> per conv layer, [1, conv_tail, conv_dim]
+    stacked: bool = False  # one array of every layer in each tuple, as a stacked cache holds them
 
     @property
     def points(self) -> list[int]:
@@ -61,19 +62,27 @@ class HybridCache:
     # tail at the last accepted row: a rejected draft costs no second pass. A conv state can never be rewound, so
     # every `marks` tokens (a chunk mark) the tail is copied aside: a kept state resumes there, keys trimmed.
 
-    def __init__(self, shape: Shape, capacity: int, marks: int = 0):
+    def __init__(self, shape: Shape, capacity: int, marks: int = 0, stacked: bool = False):
         self.shape = shape
         self.offset = 0
         self.capacity = capacity
         self.marks = marks
         self.window: int | None = None  # rows of the last forward, until kept
-        kv = (1, shape.kv_heads, capacity + WINDOW_SLACK, shape.head_dim)
-        self.keys = [mx.zeros(kv, shape.dtype) for _ in range(shape.attention_layers)]
-        self.values = [mx.zeros(kv, shape.dtype) for _ in range(shape.attention_layers)]
-        self.conv = [mx.zeros((1, shape.conv_tail, shape.conv_dim), shape.dtype) for _ in range(shape.conv_layers)]
-        self.inputs: list[mx.array | None] = [None] * shape.conv_layers  # [tail; window rows] of the last forward
+        # stacked: one buffer for every attention layer's keys (values alike) and one for every conv layer's tail,
+        # [layers, ...], which a streams forward reads for all its streams and writes once, after its last layer
+        self.stacked = stacked
+        kv_layers, kv_count = (shape.attention_layers, 1) if stacked else (1, shape.attention_layers)
+        conv_layers, conv_count = (shape.conv_layers, 1) if stacked else (1, shape.conv_layers)
+        kv = (kv_layers, shape.kv_heads, capacity + WINDOW_SLACK, shape.head_dim)
+        kv_count *= shape.attention_layers > 0
+        conv_count *= shape.conv_layers > 0
+        self.keys = [mx.zeros(kv, shape.dtype) for _ in range(kv_count)]
+        self.values = [mx.zeros(kv, shape.dtype) for _ in range(kv_count)]
+        self.conv = [mx.zeros((conv_layers, shape.conv_tail, shape.conv_dim), shape.dtype) for _ in range(conv_count)]
+        self.inputs: list[mx.array | None] = [None] * conv_count  # [tail; window rows] of the last forward
         # or, where the stream conv record served the window, the tail each row leaves [rows, conv_tail, conv_dim]
-        self.states: list[mx.array | None] = [None] * shape.conv_layers
+        # ([rows, conv_layers, conv_tail, conv_dim] where stacked)
+        self.states: list[mx.array | None] = [None] * conv_count
         self.kept_conv: dict[int, tuple[mx.array, ...]] = {}  # chunk mark -> conv tails there
         self.asked: set[int] = set()  # token counts to keep conv tails at, besides every `marks`
         self.tapped: mx.array | None = None  # the last window's tapped rows, while the model taps layers
@@ -103,6 +112,16 @@ class HybridCache:
         end = self.offset + k.shape[2]
         return self.keys[slot][..., :end, :], self.values[slot][..., :end, :]
 
+    def store_window(self, k: mx.array, v: mx.array, states: mx.array | None) -> None:
+        """A stacked cache's window of every layer at offset..: keys and values [rows, attention_layers, kv_heads,
+        head_dim], and the tail each row leaves in every conv layer [rows, conv_layers, conv_tail, conv_dim]."""
+        if self.keys:
+            end = self.offset + k.shape[0]
+            self.keys[0][:, :, self.offset:end, :] = k.transpose(1, 2, 0, 3)
+            self.values[0][:, :, self.offset:end, :] = v.transpose(1, 2, 0, 3)
+        if self.conv:
+            self.states[0] = states
+
     def conv_input(self, slot: int, gated: mx.array) -> mx.array:
         """The conv layer's input for the window: its committed tail, then the window's gated rows [1, n, dim]."""
         self.inputs[slot] = mx.concatenate([self.conv[slot], gated], axis=1)
@@ -110,23 +129,23 @@ class HybridCache:
 
     def conv_states(self, slot: int, states: mx.array) -> None:
         """The tail each of the window's rows leaves in a conv layer, [rows, conv_tail, conv_dim] (the record's)."""
-        self.states[slot] = states
+        self.states[slot] = states[:, None]
 
     def _tail(self, slot: int, r: int) -> mx.array:
         """The conv layer's tail after the window's first `r` rows, [1, conv_tail, conv_dim]: a copy, so the window's
         arrays are freed (after none, the committed tail itself)."""
         if self.states[slot] is not None:
-            return self.conv[slot] if r == 0 else mx.contiguous(self.states[slot][r - 1:r])
+            return self.conv[slot] if r == 0 else mx.contiguous(self.states[slot][r - 1])
         return mx.contiguous(self.inputs[slot][:, r:r + self.shape.conv_tail])
 
     def commit(self, rows: int) -> list[mx.array]:
         """Keep the window's first `rows` rows, lazily: the offset moves, each conv tail ends at the last kept row."""
-        marked, layers = [], range(self.shape.conv_layers)
+        marked, layers = [], range(len(self.conv))
         tails = lambda r: tuple(self._tail(slot, r) for slot in layers)
         passed = {p for p in self.asked if p <= self.offset + rows}
         if self.marks:
             passed.update(range(-(-(self.offset + 1) // self.marks) * self.marks, self.offset + rows + 1, self.marks))
-        windowed = self.shape.conv_layers > 0 and (self.inputs[0] is not None or self.states[0] is not None)
+        windowed = bool(self.conv) and (self.inputs[0] is not None or self.states[0] is not None)
         for mark in sorted(passed) if windowed else ():
             self.kept_conv[mark] = tails(mark - self.offset)
             marked.extend(self.kept_conv[mark])
@@ -141,8 +160,8 @@ class HybridCache:
         self.tapped = None
         self.offset += rows
         self.window = None
-        self.inputs = [None] * self.shape.conv_layers
-        self.states = [None] * self.shape.conv_layers
+        self.inputs = [None] * len(self.conv)
+        self.states = [None] * len(self.conv)
         return [*self.keys, *self.values, *self.conv, *marked]  # what keep() evaluates to cut the graph
 
     def take_taps(self) -> TappedRows | None:
@@ -160,20 +179,22 @@ class HybridCache:
         cut = lambda arrays: tuple(mx.contiguous(a[..., :self.offset, :]) for a in arrays)
         conv = {mark: states for mark, states in self.kept_conv.items() if mark <= self.offset}
         conv[self.offset] = tuple(mx.contiguous(a) for a in self.conv)
-        state = KeptState(self.shape, self.offset, cut(self.keys), cut(self.values), conv)
+        state = KeptState(self.shape, self.offset, cut(self.keys), cut(self.values), conv, self.stacked)
         mx.eval(state.keys, state.values, list(conv.values()))
         return state
 
     @classmethod
-    def restored(cls, shape: Shape, state: KeptState, tokens: int, capacity: int, marks: int = 0) -> "HybridCache":
+    def restored(cls, shape: Shape, state: KeptState, tokens: int, capacity: int, marks: int = 0,
+                 stacked: bool = False) -> "HybridCache":
         """A cache holding the first `tokens` tokens of a kept state; `tokens` must be one of its points."""
-        if state.shape != shape:
-            raise ValueError(f"a kept state of {state.shape} cannot restore into a cache of {shape}")
+        if state.shape != shape or state.stacked != stacked:
+            raise ValueError(f"a kept state of {state.shape} ({'' if state.stacked else 'not '}stacked) cannot "
+                             f"restore into a cache of {shape} ({'' if stacked else 'not '}stacked)")
         if tokens not in state.conv:
             raise ValueError(f"a kept state of {state.tokens} tokens resumes at {state.points}, not at {tokens}")
         if tokens > capacity:
             raise ValueError(f"a cache of capacity {capacity} cannot hold {tokens} kept tokens")
-        cache = cls(shape, capacity, marks)
+        cache = cls(shape, capacity, marks, stacked)
         for slot, (k, v) in enumerate(zip(state.keys, state.values)):
             cache.keys[slot][..., :tokens, :] = k[..., :tokens, :]
             cache.values[slot][..., :tokens, :] = v[..., :tokens, :]

@@ -10,10 +10,12 @@ import mlx.nn as nn
 
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
-                                      packed_ids, picked_logits, row_positions, swiglu)
+                                      packed_ids, picked_logits, size_class, swiglu)
+from tensorfold_core.row_kernels.step_arrays import row_positions
 from tensorfold_core.protocols import TappedRows
 
 from .cache import HybridCache, KeptState, Shape
+from .streams import forward_streams
 
 LAYER_TYPES = ("conv", "full_attention")
 
@@ -108,6 +110,9 @@ class Attention(nn.Module):
         # True: q and k come roped from the layer's compiled first part, every row at its own position, one rope for
         # every stream's rows (serving.py); False: roped per stream in `mix`
         self.roped = False
+        # the packed-streams record's implementation where it serves (serving.py): every stream's rows of a forward in
+        # one launch a layer, over stacked caches the forward writes after its last layer (streams.py)
+        self.attend_streams = None
         object.__setattr__(self, "out_residual", None)  # out_proj adding the residual in its launch (serving.py)
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
@@ -161,6 +166,18 @@ class Attention(nn.Module):
         # the record writes float32: one cast for every stream's rows, not a launch a stream (the same bits)
         return (mixed if self.attend is None else mixed.astype(values.dtype)),
 
+    def mix_streams(self, queries: mx.array, keys: mx.array, values: mx.array, groups: Sequence,
+                    slot: int) -> tuple[mx.array]:
+        """Every stream's rows over its cache before its window and the window's own rows: a launch for each group of
+        up to 8 streams, the caches read as the forward found them."""
+        outs = []
+        for lo, hi, packed, caches_k, caches_v in groups:
+            rows = slice(lo, hi)
+            q, k, v = (queries, keys, values) if len(groups) == 1 else (queries[rows], keys[rows], values[rows])
+            outs.append(self.attend_streams(q, k, v, caches_k, caches_v, packed, slot, self.scale, None))
+        mixed = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        return mixed.reshape(queries.shape[0], -1),  # in the queries' dtype: the record rounds its fp32 result once
+
     def out_rows(self, mixed: mx.array) -> mx.array:
         """What out_proj reads."""
         return mixed
@@ -176,6 +193,9 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(dim, dim, kernel_size=args.conv_L_cache, groups=dim, bias=args.conv_bias)
         self.out_proj = nn.Linear(dim, dim, bias=args.conv_bias)
         self.served = None  # the stream conv record where the table names one (serving.py); None: nn.Conv1d
+        # every stream's rows in one launch of the streams conv record, (gated, streams.ConvStreams, slot) ->
+        # (convolved, the tail each row leaves), where the model's caches are stacked (serving.py)
+        object.__setattr__(self, "streams", None)
         object.__setattr__(self, "out_residual", None)  # out_proj adding the residual in its launch (serving.py)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -295,6 +315,12 @@ class Model(nn.Module):
         self.served_head = None  # a tied head served by a kernel record, where one serves projections
         self.reads_on_host = False  # True where served MoE blocks read their picks on the host mid-forward
         self.roped = False  # True where the attention layers rope a row at a time in their first part (serving.py)
+        self.stacked = False  # caches of one buffer for all layers of a kind, written once a forward (serving.py)
+        self.stack_kv = None  # the layers' new keys and values stacked by a kernel record (serving.py sets it)
+        # the stacked layers mx.compile'd whole, a trace a shape (serving.py sets a KeyCompiled); whole_spans: the
+        # streams' spans are in its key, where the attention reads cache offsets on the host (MLX's composed ops)
+        self.whole = None
+        self.whole_spans = False
         self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
         self.hidden_size = args.hidden_size
         self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)
@@ -328,13 +354,18 @@ class Model(nn.Module):
 
     def new_cache(self, capacity: int, marks: int = 0) -> HybridCache:
         """A cache for `capacity` tokens plus one window; `marks` > 0 keeps conv states every `marks` tokens."""
-        return HybridCache(self._shape, capacity, marks)
+        return HybridCache(self._shape, self.capacity_for(capacity), marks, self.stacked)
+
+    def capacity_for(self, tokens: int) -> int:
+        """A cache's capacity for a stream of at most `tokens`: where a whole forward's trace is keyed by its caches'
+        shapes, one of a few sizes (at most a quarter over), so that streams of near limits share their traces."""
+        return size_class(tokens) if self.whole is not None and not self.whole_spans else tokens
 
     def cache_bytes(self, tokens: int) -> int:
         shape = self._shape
         # while layers are tapped, a cache may stage every row it commits until its drafter takes them
         taps = (tokens + WINDOW_SLACK) * len(self._tapped) * self.hidden_size * self.dtype.size
-        return shape.kv_bytes(tokens + WINDOW_SLACK) + shape.conv_bytes() + taps
+        return shape.kv_bytes(self.capacity_for(tokens) + WINDOW_SLACK) + shape.conv_bytes() + taps
 
     def snapshot(self, cache: HybridCache) -> KeptState:
         """A standalone copy of the cache's committed state, restorable at its offset and its chunk marks."""
@@ -345,7 +376,8 @@ class Model(nn.Module):
 
     def restore(self, state: KeptState, capacity: int, tokens: int | None = None, marks: int = 0) -> HybridCache:
         """A new cache holding the first `tokens` tokens of a kept state (one of `state.points`; default all)."""
-        return HybridCache.restored(self._shape, state, state.tokens if tokens is None else tokens, capacity, marks)
+        return HybridCache.restored(self._shape, state, state.tokens if tokens is None else tokens,
+                                    self.capacity_for(capacity), marks, self.stacked)
 
     def forward(self, caches: Sequence[HybridCache], windows: Sequence[Sequence[int]],
                 logit_rows: Sequence[int]) -> mx.array:
@@ -358,10 +390,13 @@ class Model(nn.Module):
         spans, pick = pack_windows(caches, ids, lengths, logit_rows)
         h, outputs = self.model.embed_tokens(ids), {}
         positions = row_positions(spans) if self.roped else None
-        for i, (layer, slot) in enumerate(zip(self.model.layers, self._slots)):
-            h = layer(h, spans, slot, positions)
-            if i in self._tapped:
-                outputs[i] = h
+        if self.stacked:
+            h = forward_streams(self, h, spans, positions, outputs)
+        else:
+            for i, (layer, slot) in enumerate(zip(self.model.layers, self._slots)):
+                h = layer(h, spans, slot, positions)
+                if i in self._tapped:
+                    outputs[i] = h
         # the rows stay lazy: a row's taps are computed only if its cache commits it; a forward no window of which
         # is tapped never asks for them, so a prompt chunk needs its last layer only for the rows it keeps
         tapping = [(start, n, cache) for start, n, cache, _ in spans

@@ -23,5 +23,12 @@ OPS = {
     "rms_norm": {"cpu": BUILTIN, "cuda": BUILTIN, "metal": "lfm2 rmsnorm"},  # row-invariant on CUDA, as llama's
     "attention": {"cpu": BUILTIN, "cuda": "lfm2 window attention", "metal": "lfm2 window attention"},
     "short conv": {"cpu": BUILTIN, "cuda": "lfm2 stream conv", "metal": "lfm2 stream conv"},
+    # every stream of a forward in one launch a layer (attention by groups of 8), over caches of one buffer for each
+    # layer kind that the forward writes once, after its last layer, the layers' new keys and values stacked by one
+    # launch: a forward's launches no longer grow with its streams (served with the layers compiled, one machine)
+    "attention streams": {"cpu": BUILTIN, "cuda": "lfm2 window attention streams",
+                          "metal": "lfm2 window attention streams"},
+    "conv streams": {"cpu": BUILTIN, "cuda": "lfm2 streams conv", "metal": "lfm2 streams conv"},
+    "stack kv": {"cpu": BUILTIN, "cuda": "lfm2 stack kv", "metal": "lfm2 stack kv"},
     "moe router": {"cpu": BUILTIN, "cuda": "lfm2_moe router top-k", "metal": "lfm2_moe router top-k"},
 }

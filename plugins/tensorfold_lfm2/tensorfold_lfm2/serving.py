@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -9,9 +11,9 @@ from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import records_served
-from tensorfold_core.row_kernels.modules import (RecordLinear, Served, compile_halves, compiling, fused, normed_fused,
-                                                projection_op, residual_fused, rope_by_rows, swap_tree, swaps,
-                                                swiglu_fused)
+from tensorfold_core.row_kernels.modules import (STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV, KeyCompiled, RecordLinear,
+                                                 Served, compile_halves, compiling, fused, normed_fused, projection_op,
+                                                 residual_fused, rope_by_rows, swap_tree, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS
@@ -166,6 +168,8 @@ def serve_kernels(model, gather: bool = True) -> dict:
             fuse_launches(model, usable, kind)
         if rope_by_rows(usable, kind, record_attends="attention" in usable):  # the CPU, and where the record attends
             rope_rows(model)
+            if "attention" in usable:
+                serve_streams(model, usable, kind)
         compile_halves(model.model.layers, usable, kind,
                        lambda layer: (True, not isinstance(layer.feed_forward, (ServedMoe, SparseMoeBlock))))
     return labels
@@ -194,6 +198,47 @@ def fuse_launches(model, usable: dict, kind: str) -> None:
             object.__setattr__(ff, "down_residual", down)
             object.__setattr__(layer, "normed_swiglu", normed_fused(gate_up, layer.ffn_norm, usable, kind,
                                                                     swiglu=True))
+
+
+def serve_streams(model, usable: dict, kind: str) -> None:
+    """Every stream of a forward in one launch a layer where the streams records serve (streams.py): the caches
+    stacked, their windows stored after the last layer, and the layers compiled whole where no block reads on the host
+    mid-forward. As llama's switches say: TENSORFOLD_STREAM_ATTENTION=0 a stream a launch, TENSORFOLD_STACK_KV=0 the
+    keys stacked by MLX's ops, TENSORFOLD_WHOLE_FORWARD=0 the layers called from Python (measurements)."""
+    layers = model.model.layers
+    kinds = {layer.is_attention_layer for layer in layers}
+    wanted = {"attention streams", "conv streams"} <= usable.keys() and os.environ.get(STREAMS_ENV, "1") != "0"
+    if not wanted or kinds != {True, False}:
+        return
+    from tensorfold_core.row_kernels.attention_streams import STREAMS_ATTENTION
+    from tensorfold_core.row_kernels.stack import STACKS
+
+    from .kernels.conv_streams import STREAMS_CONV
+
+    for layer in layers:
+        if layer.is_attention_layer:
+            layer.self_attn.attend_streams = STREAMS_ATTENTION[kind]
+        else:
+            object.__setattr__(layer.conv, "streams", streams_conv(layer.conv.conv, STREAMS_CONV[kind]))
+    model.stacked = True
+    if "stack kv" in usable and os.environ.get(STACK_KV_ENV, "1") != "0":
+        model.stack_kv = STACKS[kind]
+    if not model.reads_on_host and os.environ.get(WHOLE_ENV, "1") != "0":
+        model.whole = KeyCompiled(after=1)  # a shape met once (a prompt's last chunk) is not traced
+        model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
+
+
+def streams_conv(conv: nn.Conv1d, launch):
+    """A conv layer's call of the streams conv record: (gated rows, the forward's ConvStreams, the layer's slot) ->
+    (convolved rows, the tail each row leaves), over the layer's current weights."""
+    channels, taps, _ = conv.weight.shape
+
+    def run(gated: mx.array, convs, slot: int) -> tuple[mx.array, mx.array]:
+        tails, spans, rowmap = convs
+        return launch(gated, tails, slot, spans, rowmap, conv.weight.reshape(channels, taps),
+                      conv.bias if "bias" in conv else None)
+
+    return run
 
 
 def rope_rows(model) -> None:

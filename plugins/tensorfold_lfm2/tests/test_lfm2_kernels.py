@@ -18,7 +18,8 @@ from tensorfold_contract import Case, run_contract
 SEED = 20261207
 NAMES = {"lfm2 stream conv", "lfm2_moe router top-k", "lfm2 gemv bf16", "lfm2 gemv q4", "lfm2 gemv q8", "lfm2 rmsnorm",
          "lfm2 window attention", "lfm2 gemv bf16 + residual", "lfm2 gemv bf16 gate|up swiglu",
-         "lfm2 gemv bf16 rmsnorm", "lfm2 gemv bf16 rmsnorm gate|up swiglu", "lfm2 streams conv"}  # the family's own three, and its records of the shared row kernels
+         "lfm2 gemv bf16 rmsnorm", "lfm2 gemv bf16 rmsnorm gate|up swiglu", "lfm2 streams conv",
+         "lfm2 window attention streams", "lfm2 stack kv"}  # the family's own three, and its shared row kernels
 MODELS = os.path.join(os.path.dirname(__file__), "..", "tensorfold_lfm2", "models")
 
 

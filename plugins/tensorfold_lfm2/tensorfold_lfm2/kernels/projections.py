@@ -1,14 +1,17 @@
 """The lfm2 families' records of the shared row kernels: the GEMV (every projection, each expert's alone, the router's
-gate, the tied head), RMSNorm (the blocks' and the per-head q/k norms) and window attention, at lfm2's shapes."""
+gate, the tied head), RMSNorm (the blocks' and the per-head q/k norms), window attention (a stream a launch, and every
+stream of a forward in one) and the stack of the attention layers' new keys and values, at lfm2's shapes."""
 
 from __future__ import annotations
 
 from tensorfold_contract import Shape
-from tensorfold_core.row_kernels import attention, gemv, gemv_fused, gemv_normed, rmsnorm
+from tensorfold_core.row_kernels import attention, attention_streams, gemv, gemv_fused, gemv_normed, rmsnorm, stack
+from tensorfold_core.row_kernels.gemv import WIDEST_CALL
 
 from .common import LFM2_1B, TINY_LFM2, TINY_MOE, TINY_MOE_MLP
 
 MODELS = (("tiny-lfm2", TINY_LFM2, False), ("LFM2-1.2B", LFM2_1B, True))
+ATTENTION_LAYERS = {"tiny-lfm2": 2, "LFM2-1.2B": 6}  # the stacked caches' layers: the layers that attend
 
 
 def projections(bits: int, group: int = 64) -> tuple[Shape, ...]:
@@ -71,4 +74,21 @@ def records() -> list:
             gemv.record("lfm2", 4, projections(4)),
             gemv.record("lfm2", 8, projections(8)), rmsnorm.record("lfm2", (rmsnorm.shape("tiny-lfm2 fp32", 256),
                                                                             *norms)),
-            attention.record("lfm2", heads)]
+            attention.record("lfm2", heads), attention_streams.record("lfm2", streams_heads()),
+            stack.record("lfm2", stacks())]
+
+
+def streams_heads() -> tuple[Shape, ...]:
+    """The packed-streams attention at the heads lfm2 serves: 8 streams and fewer, fp32 and bf16."""
+    return (attention_streams.shape("tiny-lfm2 fp32, 3 streams, 500 keys", TINY_LFM2, 500, 3, "float32"),
+            attention_streams.shape("tiny-lfm2 bf16, 8 streams, 300 keys", TINY_LFM2, 300, 8),
+            attention_streams.shape("LFM2-1.2B bf16, 8 streams, 600 keys", LFM2_1B, 600, 8),
+            attention_streams.shape("LFM2-1.2B bf16, 4 streams, 4096 keys", LFM2_1B, 4096, 4, heavy=True))
+
+
+def stacks() -> tuple[Shape, ...]:
+    """The attention layers' keys and values stacked at each model's count of them, bf16 and fp32."""
+    return tuple(Shape(f"{label} {dtype}, {ATTENTION_LAYERS[label]} layers",
+                       {"layers": ATTENTION_LAYERS[label], "kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
+                        "dtype": dtype}, WIDEST_CALL)
+                 for label, m, _ in MODELS for dtype in ("bfloat16", "float32"))
