@@ -10,7 +10,8 @@ from tensorfold_contract import run_contract
 
 @pytest.mark.parametrize("name, seed", [("dspark markov pick", 20261201), ("dspark block attention", 20261202),
                                         ("dspark confidence head", 20261202), ("dspark tap copy", 20261203),
-                                        ("dspark draft ids", 20261204)])
+                                        ("dspark draft ids", 20261204),
+                                        ("dspark block attention streams", 20261205)])
 def test_each_drafter_record_passes_gates_1_to_4_and_every_control_that_runs_here_is_red(name, seed):
     report = run_contract(only=[name], seed=seed)
     (kernel,) = report.kernels
