@@ -34,7 +34,12 @@ def row_positions(spans: Sequence[Span]) -> mx.array:
     arange a stream, the last run on past the scalar pool's size and the padding cut off by a view."""
     if not device_made():
         return host_row_positions(spans)
-    bounds = [[cache.offset, cache.offset + n] for _, n, cache, _ in spans if n]
+    return arange_positions([(cache.offset, n) for _, n, cache, _ in spans])
+
+
+def arange_positions(runs: Sequence[tuple[int, int]]) -> mx.array:
+    """Packed rows' positions from runs of (first position, rows), made by device ops as row_positions makes them."""
+    bounds = [[first, first + n] for first, n in runs if n]
     if not bounds:
         return mx.zeros((0,), mx.int32)
     rows = sum(stop - start for start, stop in bounds)

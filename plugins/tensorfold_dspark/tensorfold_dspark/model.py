@@ -133,6 +133,9 @@ class Attention(nn.Module):
         # the block attention record's implementation where the drafter's table serves it (serving.py): q [rows,
         # heads, head_dim] over the lane's whole buffer and the block's own keys, float32 out; None: MLX's SDPA
         self.attend = None
+        # the streams record's where it serves (serving.py): every block of a hold in one launch (8 a launch), its
+        # rows roped by one call; None: a launch a block
+        self.attend_streams = None
 
     def rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=self.traditional, base=self.rope_theta, scale=1.0,
@@ -152,18 +155,21 @@ class Attention(nn.Module):
     def context(self, c: mx.array, spans: Sequence[Span]) -> list[tuple[mx.array, mx.array]]:
         """Per span of packed context rows: keys rotated at its absolute positions, and values [1, kv, n, dim]."""
         keys, values = self.keys_values(c)
-        if self.attend is None:  # MLX's ops: every span's keys roped in one call
+        if self.attend is None or self.attend_streams is not None:  # every span's keys roped in one call
             keys = self.rope_rows(keys, row_positions(spans))
         out = []
         for start, n, offset in spans:
             k, v = (a[start:start + n][None].transpose(0, 2, 1, 3) for a in (keys, values))
-            out.append((k if self.attend is None else self.rope(k, offset), v))
+            out.append((k if self.attend is None or self.attend_streams is not None else self.rope(k, offset), v))
         return out
 
-    def __call__(self, x: mx.array, blocks: Sequence[Block], layer: int) -> mx.array:
+    def __call__(self, x: mx.array, blocks: Sequence[Block], layer: int,
+                 streams: "HoldStreams | None" = None) -> mx.array:
         rows = x.shape[0]
         queries = self.q_norm(self.q_proj(x).reshape(rows, self.n_heads, -1))
         keys, values = self.keys_values(x)
+        if streams is not None:
+            return self.o_proj(self.mix_streams(queries, keys, values, streams, layer).astype(x.dtype))
         if self.attend is None:  # MLX's ops: every block's rows roped in one call
             positions = row_positions(blocks)
             queries, keys = self.rope_rows(queries, positions), self.rope_rows(keys, positions)
@@ -179,6 +185,40 @@ class Attention(nn.Module):
             o = block_attention(q, lane.keys[layer], lane.values[layer], lane.n, k, v, self.scale)
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
+
+
+    def mix_streams(self, queries: mx.array, keys: mx.array, values: mx.array, streams: "HoldStreams",
+                    layer: int) -> mx.array:
+        """Every block's rows over its lane's context and its whole block, a launch for each group of up to 8
+        blocks; float32 [rows, heads * head_dim]."""
+        positions, groups = streams
+        queries, keys = self.rope_rows(queries, positions), self.rope_rows(keys, positions)
+        outs = []
+        for lo, hi, spec, rowmap, lanes in groups:
+            part = slice(lo, hi)
+            q, k, v = (queries, keys, values) if len(groups) == 1 else (queries[part], keys[part], values[part])
+            outs.append(self.attend_streams(q, [lane.keys[layer] for lane in lanes],
+                                            [lane.values[layer] for lane in lanes], spec, rowmap, k, v, self.scale))
+        mixed = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        return mixed.reshape(queries.shape[0], -1)
+
+
+HoldStreams = tuple  # (the block rows' positions, groups of (first row, row past the last, spec, row map, lanes))
+
+
+def hold_streams(blocks: Sequence[Block], rowmap_of) -> HoldStreams:
+    """What each layer's streams attention reads, made once a hold: the rows' positions (device ops) and the blocks
+    in groups of 8, each with its spec (start, rows, context length, block size) and row map."""
+    from tensorfold_core.row_kernels.attention_sources import STREAM_SLOTS
+    from tensorfold_core.row_kernels.step_arrays import arange_positions
+
+    groups = []
+    for g in range(0, len(blocks), STREAM_SLOTS):
+        part = blocks[g:g + STREAM_SLOTS]
+        lo = part[0].start
+        spec = tuple((b.start - lo, b.n, b.lane.n, b.n) for b in part)
+        groups.append((lo, part[-1].start + part[-1].n, spec, rowmap_of(spec), [b.lane for b in part]))
+    return arange_positions([(b.offset, b.n) for b in blocks]), groups
 
 
 def block_attention(q: mx.array, context_keys: mx.array, context_values: mx.array, n: int, block_keys: mx.array,
@@ -210,8 +250,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, blocks: Sequence[Block], layer: int) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), blocks, layer)
+    def __call__(self, x: mx.array, blocks: Sequence[Block], layer: int,
+                 streams: HoldStreams | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), blocks, layer, streams)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -255,6 +296,8 @@ class Model(nn.Module):
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.markov_head = MarkovHead(args.vocab_size, args.markov_rank)
+        # where every block of a hold attends in one launch a layer (serving.py): what makes a group's row map
+        object.__setattr__(self, "streams_rowmap", None)
         if args.confidence:
             width = args.hidden_size + (args.markov_rank if args.confidence_with_markov else 0)
             self.confidence_head = ConfidenceHead(width)
@@ -279,8 +322,11 @@ class Model(nn.Module):
 
     def blocks(self, h: mx.array, blocks: Sequence[Block]) -> mx.array:
         """The layers over packed block rows, each block attending its own lane's context; the final norm."""
+        streams = None
+        if self.streams_rowmap is not None:  # where the streams record serves (serving.py)
+            streams = hold_streams(blocks, self.streams_rowmap)
         for i, layer in enumerate(self.layers):
-            h = layer(h, blocks, i)
+            h = layer(h, blocks, i, streams)
         return self.norm(h)
 
     def confidence(self, rows: mx.array, previous: mx.array) -> mx.array | None:

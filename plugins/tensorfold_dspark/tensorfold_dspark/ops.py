@@ -10,4 +10,8 @@ from tensorfold_core.kernels import BUILTIN
 OPS = {
     "markov pick": {"cpu": BUILTIN, "cuda": "dspark markov pick", "metal": "dspark markov pick"},
     "block attention": {"cpu": BUILTIN, "cuda": "dspark block attention", "metal": "dspark block attention"},
+    # every block of a hold in one launch a layer (up to 8), the same sums per row: a hold's launches and its per-block
+    # slicing no longer grow with its streams
+    "block attention streams": {"cpu": BUILTIN, "cuda": "dspark block attention streams",
+                                "metal": "dspark block attention streams"},
 }

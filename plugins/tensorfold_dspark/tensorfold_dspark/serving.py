@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from tensorfold_core.kernels import BUILTIN, DRAFTER_BUILTIN_ENV, records_served
 from tensorfold_core.row_kernels.attention import SPLIT
+from tensorfold_core.row_kernels.modules import STREAMS_ENV
 
 from .kernels import records
 from .model import Model, markov_pick
@@ -33,15 +34,25 @@ def serve_kernels(model: Model) -> tuple[Pick, dict[str, str]]:
             pick = _record_pick(model.markov_head, usable["markov pick"], kind)
         else:
             labels["markov pick"] = BUILTIN
-    if "block attention" in usable:
+    dim = model.args.head_dim
+    attends = "block attention" in usable and not (dim % 32 or SPLIT % dim)
+    if "block attention" in usable and not attends:
+        labels["block attention"] = BUILTIN
+    if attends:
         from .kernels.block_attention import BLOCK_ATTENTION
 
-        dim = model.args.head_dim
-        if dim % 32 or SPLIT % dim:
-            labels["block attention"] = BUILTIN
-        else:
-            for layer in model.layers:
-                layer.self_attn.attend = BLOCK_ATTENTION[kind]
+        for layer in model.layers:
+            layer.self_attn.attend = BLOCK_ATTENTION[kind]
+    # a hold's blocks in one launch a layer where the one-block record attends too (the same sums a row), unless
+    # TENSORFOLD_STREAM_ATTENTION=0 asks a launch a block (a measurement)
+    if attends and "block attention streams" in usable and os.environ.get(STREAMS_ENV, "1") != "0":
+        from .kernels.block_attention_streams import BLOCK_STREAMS, rowmap
+
+        for layer in model.layers:
+            layer.self_attn.attend_streams = BLOCK_STREAMS[kind]
+        object.__setattr__(model, "streams_rowmap", rowmap)
+    elif "block attention streams" in labels:
+        labels["block attention streams"] = BUILTIN
     return pick, labels
 
 

@@ -53,4 +53,5 @@ def test_the_servers_capabilities_say_what_serves_the_drafters_ops(client):
     report = httpx.get(str(client.base_url).rstrip("/") + "/capabilities").json()
     assert report["drafter"] is not None
     # MLX's ops on the CPU (the table's cpu column)
-    assert report["kernels"]["drafter"] == {"markov pick": "mlx", "block attention": "mlx"}
+    assert report["kernels"]["drafter"] == {"markov pick": "mlx", "block attention": "mlx",
+                                            "block attention streams": "mlx"}

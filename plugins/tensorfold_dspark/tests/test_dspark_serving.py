@@ -51,7 +51,8 @@ def test_every_op_in_the_drafters_table_has_a_record_implementing_it_on_each_bac
 
 def test_capabilities_show_the_drafters_table_beside_the_families():
     table = capabilities(ServeOptions())["drafter_kernels"]["dspark"]
-    assert table["backend"] == "cpu" and table["serving"] == {"markov pick": "mlx", "block attention": "mlx"}
+    assert table["backend"] == "cpu" and table["serving"] == {"markov pick": "mlx", "block attention": "mlx",
+                                                              "block attention streams": "mlx"}
     assert table["table"]["markov pick"] == {"cpu": "mlx", "cuda": "dspark markov pick", "metal": "dspark markov pick"}
     assert table["table"]["block attention"]["cuda"] == "dspark block attention"
 
@@ -59,7 +60,7 @@ def test_capabilities_show_the_drafters_table_beside_the_families():
 def test_the_records_served_draft_what_mlxs_ops_draft(target):
     builtin = drafter_with(target, {})
     try:
-        assert builtin.kernels == {"markov pick": "mlx", "block attention": "mlx"}
+        assert builtin.kernels == {"markov pick": "mlx", "block attention": "mlx", "block attention streams": "mlx"}
         assert builtin.model.layers[0].self_attn.attend is None
         want = drafts_of(target, builtin)
     finally:
@@ -67,7 +68,8 @@ def test_the_records_served_draft_what_mlxs_ops_draft(target):
     served = drafter_with(target, {KERNELS_ENV: "records"})
     try:
         assert served.kernels == {"markov pick": "dspark markov pick (mlx)",
-                                  "block attention": "dspark block attention (mlx)"}
+                                  "block attention": "dspark block attention (mlx)",
+                                  "block attention streams": "dspark block attention streams (mlx)"}
         assert all(layer.self_attn.attend is not None for layer in served.model.layers)
         got = drafts_of(target, served)
     finally:
@@ -78,6 +80,41 @@ def test_the_records_served_draft_what_mlxs_ops_draft(target):
 def test_the_drafter_builtin_knob_keeps_mlxs_ops_whatever_the_table_says(target):
     drafter = drafter_with(target, {KERNELS_ENV: "records", DRAFTER_BUILTIN_ENV: "1"})
     try:
-        assert drafter.kernels == {"markov pick": "mlx", "block attention": "mlx"}
+        assert drafter.kernels == {"markov pick": "mlx", "block attention": "mlx", "block attention streams": "mlx"}
     finally:
         drafter.close()
+
+
+def drafts_together(target, drafter, streams: int) -> list[list[int]]:
+    """One hold over `streams` streams at once (the prompts in turn, each cut a token shorter than the last): each
+    stream's block of drafts."""
+    asks, caches = [], []
+    for i in range(streams):
+        prompt = target.tokenizer.encode(PROMPTS[i % len(PROMPTS)])[:max(2, 12 - i)]
+        cache = target.model.new_cache(64)
+        target.model.forward([cache], [prompt], [0])
+        target.model.keep(cache, len(prompt))
+        caches.append(cache)
+        asks.append(DraftAsk(300 + i, prompt + [prompt[-1]], drafter.block_size - i % 3, limit=64, cache=cache))
+    out = [list(drafts) for drafts in drafter.propose(asks)]
+    for i in range(streams):
+        drafter.release(300 + i)
+    return out
+
+
+def test_a_hold_s_blocks_in_one_launch_a_layer_draft_what_a_launch_a_block_drafts(target):
+    from tensorfold_core.row_kernels.modules import STREAMS_ENV
+
+    apart = drafter_with(target, {KERNELS_ENV: "records", STREAMS_ENV: "0"})
+    try:
+        assert apart.kernels["block attention streams"] == "mlx" and apart.model.streams_rowmap is None
+        want = drafts_together(target, apart, 10)
+    finally:
+        apart.close()
+    packed = drafter_with(target, {KERNELS_ENV: "records"})
+    try:
+        assert all(layer.self_attn.attend_streams is not None for layer in packed.model.layers)
+        got = drafts_together(target, packed, 10)  # ten blocks: launches of eight and two
+    finally:
+        packed.close()
+    assert sum(len(d) >= 2 for d in want) >= 8 and got == want
