@@ -323,7 +323,8 @@ class Model(nn.Module):
     def blocks(self, h: mx.array, blocks: Sequence[Block]) -> mx.array:
         """The layers over packed block rows, each block attending its own lane's context; the final norm."""
         streams = None
-        if self.streams_rowmap is not None:  # where the streams record serves (serving.py)
+        if self.streams_rowmap is not None and len(blocks) > 1:  # where the streams record serves (serving.py); one
+            # block keeps its own launch, which reads no row map made on the host
             streams = hold_streams(blocks, self.streams_rowmap)
         for i, layer in enumerate(self.layers):
             h = layer(h, blocks, i, streams)
