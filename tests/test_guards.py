@@ -95,6 +95,19 @@ def test_the_shared_guard_measures_16_plain_and_4_drafted_rounds_then_runs_the_f
         (False, 17), (True, 5), (False, 512), (True, 5)]
 
 
+def test_a_band_running_plain_counts_down_its_rounds_left_and_none_while_it_measures_or_drafts():
+    guard = SharedGuard()
+    run_shared(guard, 17)  # plain measured: 0 left (measuring drafted now)
+    assert guard.plain_rounds_left(2) == 0
+    run_shared(guard, 5, drafted=(2, 15.0))  # drafting loses: plain runs 512 rounds
+    assert guard.plain_rounds_left(2) == 512 and guard.plain_rounds_left(3) == 0  # another band: its own state
+    run_shared(guard, 100)
+    assert guard.plain_rounds_left(2) == 512 - 100
+    guard = SharedGuard()
+    run_shared(guard, 17 + 5)  # drafting wins its measure: a drafted run leaves no plain rounds
+    assert guard.drafted(2) and guard.plain_rounds_left(2) == 0
+
+
 def test_a_mode_that_keeps_winning_runs_twice_as_long_each_time_up_to_64_times():
     guard = SharedGuard()
     spans = runs(run_shared(guard, 120_000))

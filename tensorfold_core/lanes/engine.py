@@ -208,6 +208,8 @@ class Engine:
             depths = self.planner.plan(asks, extra_rows=extra_rows, facts=facts, hold_ms=hold_ms)
         else:
             depths = [min(self.fixed_depth, ask.max_depth) for ask in asks]
+        if not any(depths):
+            self._skip_taps(facts)
         drafting = []
         for turn, ask, copy, depth in zip(self._asked, asks, copies, depths):
             if depth > 0 and ask.copy:  # copies first: a stream with one ahead asks no hold this round
@@ -242,6 +244,16 @@ class Engine:
             # a held window's draft rows are read on the device (`_forward`): their ids here are placeholders
             turn.window = turn.window + ([0] * len(turn.drafts) if isinstance(turn.drafts, HeldDrafts)
                                          else turn.drafts)
+
+    def _skip_taps(self, facts) -> None:
+        """A band running plain taps only the rows its next drafted round may catch up: a plain round commits one row
+        a stream, so rows before the last `catch_up` of the run are cut by that round's bounded catch-up anyway."""
+        streams = len(self._asked)
+        left = self.planner.shared.plain_rounds_left(streams) if self.planner.timed and streams >= 2 else 0
+        if self.drafter is None or not facts.catch_up or left <= facts.catch_up or getattr(self.model, "taps", 0) <= 0:
+            return
+        for turn in self._asked:
+            cast(TappedModel, self.model).tap_from(turn.stream.cache, len(turn.stream.tokens) + left - facts.catch_up)
 
     def _grant(self, drafter: ChanceDrafter) -> None:
         """The scheduled verify: each window keeps the drafts of its hold that the planner grants by their chances."""

@@ -146,6 +146,11 @@ class SharedGuard:
         """Rounds the current winner in this count's band runs before the other mode is measured again."""
         return self._band(streams).run
 
+    def plain_rounds_left(self, streams: int) -> int:
+        """Rounds left in this count's band's plain run before drafting is measured again (0: not running plain)."""
+        entry = self._band(streams)
+        return max(0, entry.run - entry.stretch.rounds) if entry.running and not entry.drafted else 0
+
     def interrupt(self) -> None:
         """A round this guard did not see ran (a lone one): the next round here is a first round."""
         self._last = None

@@ -148,6 +148,31 @@ def test_the_engine_taps_a_drafting_streams_prompt_from_its_catch_up_bound_and_a
     unbounded.finish()
 
 
+def test_a_band_running_plain_taps_only_the_rows_its_next_drafted_round_catches_up(target, drafter, monkeypatch):
+    monkeypatch.setattr(drafter, "facts", dataclasses.replace(drafter.facts, catch_up=6))
+    run = drafted_run(target, drafter, 2)
+    run.engine.planner.timed = True
+    for sid in (0, 1):
+        run.submit(sid, GenerationRequest(prompt_ids=PROMPT, max_tokens=12))
+    run.admit()
+    band = run.engine.planner.shared._band(2)
+    band.drafted, band.running, band.run = False, True, 40  # drafting lost: plain runs 40 rounds
+    while any(run.engine.streams[sid].prefilling for sid in (0, 1)):
+        run.step()
+    run.step()  # a plain round: taps start 6 rows before the run's end
+    for sid in (0, 1):
+        stream = run.engine.streams[sid]
+        left = 40 - band.stretch.rounds
+        # tokens and rounds left move together, so the bound set as the round began still holds
+        assert stream.cache.taps_from == len(stream.tokens) + left - 6 > stream.cache.offset
+    band.run = 4  # a run shorter than the catch-up bound moves nothing
+    before = [run.engine.streams[sid].cache.taps_from for sid in (0, 1)]
+    run.step()
+    assert [run.engine.streams[sid].cache.taps_from for sid in (0, 1)] == before
+    run.finish()
+    assert run.tokens(0) == run.tokens(1)  # what a drafter reads never changes a reply
+
+
 def test_a_probe_absorbs_only_its_bound_of_rows_and_still_drafts(target, drafter):
     drafter.shed_kept()  # no kept lane to start from
     cache = committed_cache(target, PROMPT)
