@@ -317,6 +317,16 @@ def import_cycles(package_dir: Path, package_name: str) -> list[list[str]]:
     return sorted(cycles)
 
 
+def forward_alike(models, caches: dict, windows: list) -> None:
+    """Each model forwards the windows over its own caches, the logits bit-equal; each keeps all rows but the last
+    (left unkept, as a rejected draft's)."""
+    ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows]) for m in models)
+    assert mx.array_equal(ours, theirs).item()
+    for m in models:
+        for cache, window in zip(caches[id(m)], windows):
+            m.keep(cache, len(window) - 1)
+
+
 def logits_alike(models: list, prompts: list[list[int]]) -> bool:
     """Three forwards of every model over the same streams' ragged windows (the prompts, three rows each, then one
     or two rows), each kept whole: whether every model's logits were the first model's bit for bit each time."""

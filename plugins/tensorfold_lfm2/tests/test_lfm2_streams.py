@@ -10,6 +10,7 @@ from tensorfold_core.kernels import KERNELS_ENV
 from tensorfold_core.loading import load_model
 from tensorfold_core.row_kernels.modules import COMPILE_ENV, STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV
 from tensorfold_core.specs import LoadOptions
+from tensorfold_core.testing import forward_alike
 
 PROMPTS = ["import os\nimport", "def main(argv):\n", "class Point:\n    def __init__(self"]
 BF16 = LoadOptions(dtype="bfloat16")
@@ -33,16 +34,6 @@ def with_and_without(monkeypatch, env: str, name: str = "tiny-lfm2"):
 def ragged(tokenizer, streams: int) -> list[list[int]]:
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     return [prompts[i % len(prompts)][:4 + 2 * i] for i in range(streams)]
-
-
-def forward_alike(models, caches: dict, windows: list) -> None:
-    """Each model forwards the windows over its own caches, the logits bit-equal; each keeps all rows but the last
-    (left unkept, as a rejected draft's)."""
-    ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows]) for m in models)
-    assert mx.array_equal(ours, theirs).item()
-    for m in models:
-        for cache, window in zip(caches[id(m)], windows):
-            m.keep(cache, len(window) - 1)
 
 
 def layer_arrays(cache) -> list[mx.array]:

@@ -16,7 +16,7 @@ from tensorfold_core.loading import load_model, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.specs import DrafterOptions, LoadOptions
-from tensorfold_core.testing import Run, serial, solo
+from tensorfold_core.testing import Run, forward_alike, serial, solo
 from tensorfold_llama.kernels import records
 from tensorfold_llama.ops import OPS
 from tensorfold_core.row_kernels.modules import COMPILE_ENV, RecordLinear, RecordNorm
@@ -341,16 +341,6 @@ def compiled_with_and_without(monkeypatch, env: str):
     monkeypatch.setenv(env, "0")
     apart, _, _ = load_model("tiny-llama", LoadOptions(dtype="bfloat16"))
     return served, apart, tokenizer
-
-
-def forward_alike(models, caches: dict, windows: list) -> None:
-    """Each model forwards the windows over its own caches, the logits bit-equal; each keeps all rows but the last
-    (left unkept, as a rejected draft's)."""
-    ours, theirs = (m.forward(caches[id(m)][:len(windows)], windows, [len(w) for w in windows]) for m in models)
-    assert mx.array_equal(ours, theirs).item()
-    for m in models:
-        for cache, window in zip(caches[id(m)], windows):
-            m.keep(cache, len(window) - 1)
 
 
 def assert_same_stacked_caches(ours: list, theirs: list) -> None:
