@@ -71,11 +71,12 @@ class HybridCache:
         # stacked: one buffer for every attention layer's keys (values alike) and one for every conv layer's tail,
         # [layers, ...], which a streams forward reads for all its streams and writes once, after its last layer
         self.stacked = stacked
-        kv_layers, kv_count = (shape.attention_layers, 1) if stacked else (1, shape.attention_layers)
-        conv_layers, conv_count = (shape.conv_layers, 1) if stacked else (1, shape.conv_layers)
+        if stacked:  # a kind with no layers has no buffer
+            kv_layers, kv_count = shape.attention_layers, int(shape.attention_layers > 0)
+            conv_layers, conv_count = shape.conv_layers, int(shape.conv_layers > 0)
+        else:
+            kv_layers, kv_count, conv_layers, conv_count = 1, shape.attention_layers, 1, shape.conv_layers
         kv = (kv_layers, shape.kv_heads, capacity + WINDOW_SLACK, shape.head_dim)
-        kv_count *= shape.attention_layers > 0
-        conv_count *= shape.conv_layers > 0
         self.keys = [mx.zeros(kv, shape.dtype) for _ in range(kv_count)]
         self.values = [mx.zeros(kv, shape.dtype) for _ in range(kv_count)]
         self.conv = [mx.zeros((conv_layers, shape.conv_tail, shape.conv_dim), shape.dtype) for _ in range(conv_count)]
