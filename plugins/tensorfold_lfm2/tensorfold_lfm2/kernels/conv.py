@@ -249,6 +249,11 @@ def _shape(label, C, L=3, dtype="bfloat16", rows=WIDEST, bias=False):
 SERVED = tuple(_shape(f"{name} {dtype}", dims["hidden"], dims["conv_L"], dtype)
                for name, dims in (("tiny-lfm2", TINY_LFM2), ("LFM2-1.2B", LFM2_1B)) for dtype in DTYPES)
 
+# planted in the cuda text, which the streams conv shares line for line (conv_streams.py)
+CUDA_DROPPED_LAST_TAP = swap("for (int j = 0; j < L; ++j)", "for (int j = 0; j < L - 1; ++j)")
+CUDA_TAP_ORDER_WHEN_MANY = swap("for (int j = 0; j < L; ++j) {",
+                                "for (int jj = 0; jj < L; ++jj) {\n  const int j = rows > 1 ? L - 1 - jj : jj;")
+
 RECORD = KernelRecord(
     name="lfm2 stream conv",
     family="lfm2",
@@ -274,10 +279,8 @@ RECORD = KernelRecord(
         Control("fp16 accumulator", "mlx", 2, variant(fp16_accumulator)),
         Control("row-count-dependent tap order", "mlx", 4, variant(order_when_many)),
         Control("state one row early", "cuda", 2, swap("const int t = r + 1 + q;", "const int t = r + q;")),
-        Control("dropped last tap", "cuda", 2, swap("for (int j = 0; j < L; ++j)", "for (int j = 0; j < L - 1; ++j)")),
-        Control("row-count-dependent tap order", "cuda", 4, swap(
-            "for (int j = 0; j < L; ++j) {",
-            "for (int jj = 0; jj < L; ++jj) {\n  const int j = rows > 1 ? L - 1 - jj : jj;")),
+        Control("dropped last tap", "cuda", 2, CUDA_DROPPED_LAST_TAP),
+        Control("row-count-dependent tap order", "cuda", 4, CUDA_TAP_ORDER_WHEN_MANY),
         Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
         Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
     ),

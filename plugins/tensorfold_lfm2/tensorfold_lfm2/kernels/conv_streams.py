@@ -387,11 +387,9 @@ RECORD = KernelRecord(
         Control("row-count-dependent tap order", "mlx", 4, variant(composed(order_when_many))),
         Control("every row on the first stream's tail", "cuda", 2, swap("const int s = rowmap[2 * r];",
                                                                        "const int s = 0;")),
-        Control("dropped last tap", "cuda", 2, swap("for (int j = 0; j < L; ++j)", "for (int j = 0; j < L - 1; ++j)")),
+        Control("dropped last tap", "cuda", 2, conv.CUDA_DROPPED_LAST_TAP),
         Control("state one row early", "cuda", 2, swap("const int t = p + 1 + q;", "const int t = p + q;")),
-        Control("row-count-dependent tap order", "cuda", 4, swap(
-            "for (int j = 0; j < L; ++j) {",
-            "for (int jj = 0; jj < L; ++jj) {\n  const int j = rows > 1 ? L - 1 - jj : jj;")),
+        Control("row-count-dependent tap order", "cuda", 4, conv.CUDA_TAP_ORDER_WHEN_MANY),
         Control("over-sized threadgroup", "cuda", 5, oversize_threadgroup()),
         Control("over-sized threadgroup", "metal", 5, oversize_threadgroup()),
     ),
