@@ -44,7 +44,7 @@ def geometries(warps: int, served: int) -> list[tuple[int, int, int]]:
         for mt in (1, 2, 4) if warps == served else (1, 2):
             for u in (1, 2, 4, 8) if warps == served else (1, 2, 4):
                 shared = 4 * warps * 8 * maxt * 16
-                if 4 * mt * maxt + 8 * u * mt <= REGISTERS and shared <= 48 * 1024:
+                if 4 * mt * maxt + 8 * u * mt + 4 * maxt <= REGISTERS and shared <= 48 * 1024:
                     out.append((maxt, mt, u))
     return out
 

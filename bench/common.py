@@ -219,7 +219,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "kc16-vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "16,32"}, "l2-256": {"TENSORFOLD_GEMV_LOAD": "l2-256"},
             "l2-128": {"TENSORFOLD_GEMV_LOAD": "l2-128"},
             "ops-5": {"MLX_MAX_OPS_PER_BUFFER": "5"}, "ops-20": {"MLX_MAX_OPS_PER_BUFFER": "20"},
-            "graphs-off": {"MLX_USE_CUDA_GRAPHS": "0"}}
+            "graphs-off": {"MLX_USE_CUDA_GRAPHS": "0"}, "maxt2": {"TENSORFOLD_GEMV_MAXT": "2"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -254,7 +254,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     and `:vc32` and `:kc16-vc32` have an attention thread issue 32 value loads (and 16 key loads) together instead
     of 16 (and 8), TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may
     hold), `:l2-256` and `:l2-128` have the bf16 GEMVs' 16-byte loads ask L2 for 256 or 128 bytes,
-    TENSORFOLD_GEMV_LOAD): the JSON its last line prints."""
+    TENSORFOLD_GEMV_LOAD, and `:maxt2` has the bf16 GEMVs repeat 16-row blocks past 16 rows instead of reading
+    the weights once for up to 64, TENSORFOLD_GEMV_MAXT=2): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

@@ -63,6 +63,24 @@ def test_a_bf16_gemv_launch_takes_its_k_split_from_its_shape_never_from_its_rows
                 assert {t["MT"] for t in templates} == {gemv.NARROW_TILES}, (record.name, shape.label, templates)
 
 
+def test_every_bf16_gemv_launch_fits_its_backend_s_static_shared_memory_at_any_row_count(monkeypatch):
+    # a static ask past 48 KB is refused at launch on CUDA, past 32 KB on Apple's GPUs; deep row tiles and the
+    # fusions' own buffers add up
+    from tensorfold_core.row_kernels import gemv
+
+    for name in (gemv.NARROW_ENV, gemv.MAXT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    records = [reg.record for reg in discover() if reg.record is not None and "gemv bf16" in reg.record.name]
+    for record in records:
+        for kind in ("cuda", "metal"):
+            source = record.implementations[kind]
+            for shape in (*record.shapes, *record.edges):
+                for rows in (1, 8, 9, 16, 17, 32, 33, 64, 128):
+                    launch = source.launch(gates.Case(shape, rows, {}, record.row_inputs))
+                    limit = 48 * 1024 if kind == "cuda" else 32 * 1024
+                    assert launch.static_shared <= limit, (record.name, kind, shape.label, rows, launch.static_shared)
+
+
 @pytest.mark.skipif(not (shutil.which("nvcc") and os.environ.get("TENSORFOLD_MLX_CUDA_INCLUDE")),
                     reason="needs nvcc and TENSORFOLD_MLX_CUDA_INCLUDE (MLX's CUDA device headers)")
 def test_every_bf16_gemv_build_fits_the_registers_an_sm90_block_may_hold():

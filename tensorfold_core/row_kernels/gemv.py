@@ -19,8 +19,8 @@ from .gemv_sources import CUDA_AFFINE, CUDA_BF16, CUDA_BF16_HEADER, CUDA_FOLD, M
 
 THREADS = 128  # four warps a group (affine)
 WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input steps w, w + 8, ... of every column
-# The widest call gate 4 proves row by row: 8 streams' windows of 16 rows, eight of the bf16 kernel's 16-row blocks
-# and of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
+# The widest call gate 4 proves row by row: 8 streams' windows of 16 rows, four of the bf16 kernel's 32-row blocks
+# and eight of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
 STEPS_ENV = "TENSORFOLD_GEMV_STEPS"  # U, the 32-input steps a warp loads at once (a measurement; bits never move)
 # The K split of calls with fewer than NARROW_COLUMNS outputs (a 1B's q|k|v, o_proj and down_proj): twice the warps,
@@ -30,6 +30,11 @@ NARROW_WARPS = 16
 NARROW_COLUMNS = 4096  # below this a call has fewer 32-column blocks than the H200 has SMs (132)
 # and one 16-column tile a warp there, not two: twice the blocks (128 for 2,048 outputs), each column's sum as before
 NARROW_TILES = 1
+# 8-row tiles a block past 16 rows (a measurement: 2 repeats 16-row blocks as before; bits never move)
+MAXT_ENV = "TENSORFOLD_GEMV_MAXT"
+DEEP_TILES = 4
+# the fold's shared sums a block may hold: with the fusions' own buffers a launch stays under Metal's 32 KB
+FOLD_BYTES = 16 * 1024
 # "W" or "W:MT": another split (and column tiles a warp) for those calls, a measurement the contract must prove again
 NARROW_ENV = "TENSORFOLD_GEMV_NARROW"
 OUT = "bfloat16"  # what the served projections give back: the activation dtype, rounded once from the fp32 sum
@@ -45,23 +50,29 @@ def buckets(rows: int) -> tuple[int, int]:
 
 def tiles(rows: int) -> tuple[int, int, int]:
     """The bf16 kernel's (MAXT, MT, U) for a call of `rows` rows: 8-row tiles a group, 16-column tiles a warp, and
-    steps loaded together; past 16 rows the grid repeats 16-row blocks. None of it changes a (row, column) sum."""
-    # the fastest on the H200 at 1-128 rows of the 1B's and the bench's shapes (bench/bench_gemv_tiles.py, which
-    # found every geometry's output bit-equal): more, smaller blocks beat deeper tiles, whose x re-reads and
-    # registers cost more than the weights they share; two steps' loads at once keep more bytes in flight (a
-    # decode's weights come from HBM: Nsight Compute timed a token's GEMVs, docs/performance.md)
+    steps loaded together; past the deepest tile the grid repeats blocks. None of it changes a (row, column) sum."""
+    # up to 16 rows, the fastest on the H200 (bench/bench_gemv_tiles.py, which found every geometry's output
+    # bit-equal): one 8-row tile a group up to 8 rows, two from 9, two column tiles a warp, two steps' loads at once.
+    # Past 16 rows a block's warps read the weights once for up to 32 rows: repeated 16-row blocks each re-read them
+    # (and the whole x) from L2, which set the pace of a verify's 40 rows and a prompt chunk's (docs/performance.md)
     steps = int(os.environ.get(STEPS_ENV, "2"))
-    return (1, 2, steps) if rows <= 8 else (2, 2, steps)
+    if rows <= 16:
+        return (1, 2, steps) if rows <= 8 else (2, 2, steps)
+    deep = int(os.environ.get(MAXT_ENV, str(DEEP_TILES)))
+    # a deep tile's x loads and accumulators take the registers a second step's loads would
+    return (deep, 2, 1) if deep > 2 else (2, 2, steps)
 
 
 def geometry(n: int, rows: int) -> tuple[int, int, int, int]:
     """The bf16 kernel's (WARPS, MAXT, MT, U) for a call of `rows` rows and `n` outputs: the K split follows the
     shape alone, never the rows, so each (row, column) sum keeps its order in a call of any row count."""
     maxt, mt, u = tiles(rows)
-    if n >= NARROW_COLUMNS:
-        return WARPS, maxt, mt, u
-    warps, _, narrow_mt = os.environ.get(NARROW_ENV, f"{NARROW_WARPS}:{NARROW_TILES}").partition(":")
-    return int(warps), maxt, int(narrow_mt or mt), u
+    warps, narrow_mt = WARPS, mt
+    if n < NARROW_COLUMNS:
+        split, _, tiles_set = os.environ.get(NARROW_ENV, f"{NARROW_WARPS}:{NARROW_TILES}").partition(":")
+        warps, narrow_mt = int(split), int(tiles_set or mt)
+    # every warp's sums wait in shared memory for the fold (4 bytes a row and column): twice the warps, half the rows
+    return warps, max(1, min(maxt, FOLD_BYTES // (4 * 8 * 16 * warps))), narrow_mt, u
 
 
 def template_value(launch: Launch, name: str) -> int:

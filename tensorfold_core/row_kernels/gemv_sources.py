@@ -103,15 +103,20 @@ for (int s0 = warp; s0 < steps; s0 += WARPS * U) {
   for (int u = 0; u < U; ++u) {
     if (s0 + u * WARPS < steps) {
       const int k = (s0 + u * WARPS) * 32 + 8 * t;
+      // every row tile's inputs asked for before the first mma, so a deep tile waits on its x loads once a step
+      uint4 xb[MAXT];
+#pragma unroll
+      for (int j = 0; j < MAXT; ++j) {
+        const int r = row0 + 8 * j + g;
+        xb[j] = r < rows ? tf_load8(x, r, k, K, vec) : make_uint4(0u, 0u, 0u, 0u);
+      }
 #pragma unroll
       for (int j = 0; j < MAXT; ++j) {
         if (row0 + 8 * j < rows) {
-          const int r = row0 + 8 * j + g;
-          const uint4 xb = r < rows ? tf_load8(x, r, k, K, vec) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
-            tf_mma(acc[m][j], wa[u][m].x, wb[u][m].x, wa[u][m].y, wb[u][m].y, xb.x, xb.y);
-            tf_mma(acc[m][j], wa[u][m].z, wb[u][m].z, wa[u][m].w, wb[u][m].w, xb.z, xb.w);
+            tf_mma(acc[m][j], wa[u][m].x, wb[u][m].x, wa[u][m].y, wb[u][m].y, xb[j].x, xb[j].y);
+            tf_mma(acc[m][j], wa[u][m].z, wb[u][m].z, wa[u][m].w, wb[u][m].w, xb[j].z, xb[j].w);
           }
         }
       }
