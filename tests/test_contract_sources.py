@@ -63,6 +63,19 @@ def test_a_bf16_gemv_launch_takes_its_k_split_from_its_shape_never_from_its_rows
                 assert {t["MT"] for t in templates} == {gemv.NARROW_TILES}, (record.name, shape.label, templates)
 
 
+def test_past_16_rows_a_wide_bf16_gemv_block_takes_32_rows_and_a_narrow_one_keeps_its_16_row_blocks(monkeypatch):
+    from tensorfold_core.row_kernels import gemv
+
+    for name in (gemv.NARROW_ENV, gemv.MAXT_ENV, gemv.STEPS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    wide, narrow = gemv.NARROW_COLUMNS, gemv.NARROW_COLUMNS - 1
+    for rows in (17, 40, 64, 300):
+        assert gemv.geometry(wide, rows)[1:] == (4, 2, 1)
+        assert gemv.geometry(narrow, rows) == gemv.geometry(narrow, 16)
+    monkeypatch.setenv(gemv.MAXT_ENV, "2")
+    assert gemv.geometry(wide, 40) == gemv.geometry(wide, 16)
+
+
 def test_every_bf16_gemv_launch_fits_its_backend_s_static_shared_memory_at_any_row_count(monkeypatch):
     # a static ask past 48 KB is refused at launch on CUDA, past 32 KB on Apple's GPUs; deep row tiles and the
     # fusions' own buffers add up

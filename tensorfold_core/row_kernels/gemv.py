@@ -71,8 +71,11 @@ def geometry(n: int, rows: int) -> tuple[int, int, int, int]:
     if n < NARROW_COLUMNS:
         split, _, tiles_set = os.environ.get(NARROW_ENV, f"{NARROW_WARPS}:{NARROW_TILES}").partition(":")
         warps, narrow_mt = int(split), int(tiles_set or mt)
-    # every warp's sums wait in shared memory for the fold (4 bytes a row and column): twice the warps, half the rows
-    return warps, max(1, min(maxt, FOLD_BYTES // (4 * 8 * 16 * warps))), narrow_mt, u
+    # every warp's sums wait in shared memory for the fold (4 bytes a row and column): a split whose fold holds fewer
+    # tiles keeps the 16-row blocks, loaded as up to 16 rows are (four tiles at 16 warps lost on the H100 as well)
+    if maxt > FOLD_BYTES // (4 * 8 * 16 * warps):
+        maxt, _, u = tiles(16)
+    return warps, maxt, narrow_mt, u
 
 
 def template_value(launch: Launch, name: str) -> int:
