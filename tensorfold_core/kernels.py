@@ -87,6 +87,15 @@ def records_served(table: Mapping[str, Mapping[str, str]], records: Callable[[],
     return usable, kind, labels
 
 
+def unused(labels: dict, ops, *switches: str) -> None:
+    """Relabel `ops` whose records this forward does not call as MLX's, saying why: the first of `switches` set to
+    0 (a measurement), else that their path does not apply here; a label names what runs, not what the table chose."""
+    why = next((f"{name}=0" for name in switches if os.environ.get(name, "1") == "0"), "not on this forward's path")
+    for op in ops:
+        if op in labels and not labels[op].startswith(BUILTIN):
+            labels[op] = f"{BUILTIN} ({labels[op]} unused: {why})"
+
+
 def missing_records(table: Mapping[str, Mapping[str, str]], records: list) -> list[str]:
     """What a family's table names and its plugin does not ship: a record, or its implementation for a backend."""
     by_name = {record.name: record for record in records}

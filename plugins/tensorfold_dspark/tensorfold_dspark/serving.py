@@ -7,7 +7,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from tensorfold_core.kernels import BUILTIN, DRAFTER_BUILTIN_ENV, records_served
+from tensorfold_core.kernels import BUILTIN, DRAFTER_BUILTIN_ENV, records_served, unused
 from tensorfold_core.row_kernels.attention import SPLIT
 from tensorfold_core.row_kernels.modules import STREAMS_ENV
 
@@ -51,8 +51,8 @@ def serve_kernels(model: Model) -> tuple[Pick, dict[str, str]]:
         for layer in model.layers:
             layer.self_attn.attend_streams = BLOCK_STREAMS[kind]
         object.__setattr__(model, "streams_rowmap", rowmap)
-    elif "block attention streams" in labels:
-        labels["block attention streams"] = BUILTIN
+    else:
+        unused(labels, ("block attention streams",), STREAMS_ENV)
     return pick, labels
 
 

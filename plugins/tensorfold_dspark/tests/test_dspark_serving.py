@@ -107,7 +107,9 @@ def test_a_hold_s_blocks_in_one_launch_a_layer_draft_what_a_launch_a_block_draft
 
     apart = drafter_with(target, {KERNELS_ENV: "records", STREAMS_ENV: "0"})
     try:
-        assert apart.kernels["block attention streams"] == "mlx" and apart.model.streams_rowmap is None
+        assert apart.kernels["block attention streams"] == (
+            f"mlx (dspark block attention streams (mlx) unused: {STREAMS_ENV}=0)")
+        assert apart.model.streams_rowmap is None
         want = drafts_together(target, apart, 10)
     finally:
         apart.close()

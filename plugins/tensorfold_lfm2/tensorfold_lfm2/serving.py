@@ -10,7 +10,7 @@ import numpy as np
 from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
-from tensorfold_core.kernels import records_served
+from tensorfold_core.kernels import records_served, unused
 from tensorfold_core.row_kernels.modules import (STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV, KeyCompiled, RecordLinear,
                                                  Served, compile_halves, compiling, fused, normed_fused, projection_op,
                                                  residual_fused, rope_by_rows, swap_tree, swaps, swiglu_fused)
@@ -172,6 +172,10 @@ def serve_kernels(model, gather: bool = True) -> dict:
                 serve_streams(model, usable, kind)
         compile_halves(model.model.layers, usable, kind,
                        lambda layer: (True, not isinstance(layer.feed_forward, (ServedMoe, SparseMoeBlock))))
+    if not model.stacked:
+        unused(labels, ("attention streams", "conv streams", "stack kv"), STREAMS_ENV)
+    elif model.stack_kv is None:
+        unused(labels, ("stack kv",), STACK_KV_ENV)
     return labels
 
 

@@ -84,6 +84,7 @@ def test_the_attention_layers_keys_stacked_by_the_table_s_record_fill_the_caches
     served, apart, tokenizer = with_and_without(monkeypatch, STACK_KV_ENV)
     assert served.stack_kv is STACKS["mlx"] and apart.stack_kv is None
     assert served.kernels["stack kv"] == "lfm2 stack kv (mlx)"
+    assert apart.kernels["stack kv"] == f"mlx (lfm2 stack kv (mlx) unused: {STACK_KV_ENV}=0)"
     caches = {id(m): [m.new_cache(64) for _ in PROMPTS] for m in (served, apart)}
     for windows in (ragged(tokenizer, 3), [[7, 8]] * 3):
         forward_alike((served, apart), caches, windows)
@@ -93,6 +94,9 @@ def test_the_attention_layers_keys_stacked_by_the_table_s_record_fill_the_caches
 def test_a_moe_model_streams_its_layers_from_python_since_its_blocks_read_their_picks(through_records, monkeypatch):
     packed, apart, tokenizer = with_and_without(monkeypatch, STREAMS_ENV, "tiny-lfm2-moe")
     assert packed.stacked and packed.whole is None and packed.reads_on_host
+    assert packed.kernels["conv streams"] == "lfm2 streams conv (mlx)"
+    for op in ("attention streams", "conv streams", "stack kv"):
+        assert apart.kernels[op].startswith("mlx (") and apart.kernels[op].endswith(f"unused: {STREAMS_ENV}=0)")
     caches = {id(m): [m.new_cache(64) for _ in range(5)] for m in (packed, apart)}
     for windows in (ragged(tokenizer, 5), [[7, 8, 9]] * 5, [[11]] * 5):
         forward_alike((packed, apart), caches, windows)

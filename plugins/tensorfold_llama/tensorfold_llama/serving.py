@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tensorfold_core.kernels import records_served
+from tensorfold_core.kernels import records_served, unused
 from tensorfold_core.row_kernels.modules import (STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV, KeyCompiled, RecordLinear,
                                                  compile_halves, compiling, fused, normed_fused, projection_op,
                                                  residual_fused, rope_by_rows, swaps, swiglu_fused)
@@ -156,4 +156,8 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                 object.__setattr__(layer, "normed_swiglu", normed_fused(
                     mlp.gate_up, layer.post_attention_layernorm, usable, kind, swiglu=True))
         compile_halves(blocks.layers, usable, kind)
+    if not model.stacked:
+        unused(labels, ("attention streams", "stack kv"), STREAMS_ENV)
+    elif model.stack_kv is None:
+        unused(labels, ("stack kv",), STACK_KV_ENV)
     return labels

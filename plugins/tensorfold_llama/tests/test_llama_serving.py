@@ -380,6 +380,7 @@ def test_the_layers_keys_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_
     served, apart, tokenizer = compiled_with_and_without(monkeypatch, STACK_KV_ENV)
     assert served.stack_kv is STACKS["mlx"] and apart.stack_kv is None
     assert served.kernels["stack kv"] == "llama stack kv (mlx)"
+    assert apart.kernels["stack kv"] == f"mlx (llama stack kv (mlx) unused: {STACK_KV_ENV}=0)"
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     caches = {id(m): [m.new_cache(64) for _ in prompts] for m in (served, apart)}
     for windows in (prompts, [[7, 8]] * 3):
