@@ -196,13 +196,16 @@ class Engine:
         if not self._asked:
             return
         rooms = [self.depth_for(t.stream) for t in self._asked]
-        copies = self.copy.propose([DraftAsk(t.stream.id, t.stream.tokens, room if self.copy_drafts else 0)
-                                    for t, room in zip(self._asked, rooms)])
+        facts = self.drafter.facts if self.drafter is not None else DEPTH_RULE
+        if self._runs_plain(facts):  # the planner drafts nothing this round: no copy is looked up to be discarded
+            copies = [[] for _ in self._asked]
+        else:
+            copies = self.copy.propose([DraftAsk(t.stream.id, t.stream.tokens, room if self.copy_drafts else 0)
+                                        for t, room in zip(self._asked, rooms)])
         asks = [Ask(t.stream.id, len(copy) or (room if self.drafter is not None else 0), len(t.stream.tokens),
                     t.stream.request.sampling.greedy, copy=bool(copy), source=self.copy.source(t.stream.id))
                 for t, room, copy in zip(self._asked, rooms, copies)]
         extra_rows = sum(len(t.window) for t in turns if t.stream.prefilling)
-        facts = self.drafter.facts if self.drafter is not None else DEPTH_RULE
         if self.fixed_depth is None:
             hold_ms = cast(HoldPricedDrafter, self.drafter).hold_ms if facts.hold_costs else None
             depths = self.planner.plan(asks, extra_rows=extra_rows, facts=facts, hold_ms=hold_ms)
@@ -244,6 +247,12 @@ class Engine:
             # a held window's draft rows are read on the device (`_forward`): their ids here are placeholders
             turn.window = turn.window + ([0] * len(turn.drafts) if isinstance(turn.drafts, HeldDrafts)
                                          else turn.drafts)
+
+    def _runs_plain(self, facts) -> bool:
+        """Whether this round's band is in the shared guard's plain run, where the planner drafts nothing."""
+        streams = len(self._asked)
+        return (self.fixed_depth is None and self.planner.timed and facts.shared_guard and streams >= 2
+                and not self.planner.shared.drafted(streams))
 
     def _skip_taps(self, facts) -> None:
         """A band running plain taps only the rows its next drafted round may catch up: a plain round commits one row

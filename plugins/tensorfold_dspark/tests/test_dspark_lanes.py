@@ -173,6 +173,30 @@ def test_a_band_running_plain_taps_only_the_rows_its_next_drafted_round_catches_
     assert run.tokens(0) == run.tokens(1)  # what a drafter reads never changes a reply
 
 
+def test_a_band_running_plain_looks_up_no_copies_and_one_measuring_drafts_looks_them_up(target, drafter, monkeypatch):
+    run = drafted_run(target, drafter, 2)
+    run.engine.planner.timed = True
+    looked_up = []
+    propose = run.engine.copy.propose
+    monkeypatch.setattr(run.engine.copy, "propose", lambda asks: looked_up.append(len(asks)) or propose(asks))
+    for sid in (0, 1):
+        run.submit(sid, GenerationRequest(prompt_ids=PROMPT * 2, max_tokens=12))
+    run.admit()
+    band = run.engine.planner.shared._band(2)
+    band.drafted, band.running, band.run = False, True, 40  # drafting lost: plain runs 40 rounds
+    while any(run.engine.streams[sid].prefilling for sid in (0, 1)):
+        run.step()
+    looked_up.clear()
+    run.step()
+    run.step()
+    assert looked_up == []
+    band.drafted = True  # measuring (or running) drafted: copies go first again
+    run.step()
+    assert looked_up and all(n >= 1 for n in looked_up)
+    run.finish()
+    assert run.tokens(0) == run.tokens(1)  # what a drafter reads never changes a reply
+
+
 def test_a_probe_absorbs_only_its_bound_of_rows_and_still_drafts(target, drafter):
     drafter.shed_kept()  # no kept lane to start from
     cache = committed_cache(target, PROMPT)
