@@ -2,7 +2,7 @@
 output first checked bit-equal to the served geometry's (geometry never changes a sum), the fastest printed."""
 
 # python bench/bench_gemv_tiles.py [--json OUT] [--seconds 240] [--warps 8,16] [--cold] [--rows 1,4,8]
-#     [--shapes 2048x2048] [--loads plain,l2-256] [--served-only]
+#     [--shapes 2048x2048] [--loads plain,l2-256] [--served-only] [--only 2:*:*,4:1:1]
 # The served tiles (gemv.geometry) against every other geometry of the same K split: an output that differs
 # in one bit from the served geometry's is a failure, and that geometry is not timed. Other splits change the sums
 # (a choice the contract must prove again); their rows are compared with their own first geometry's and with their
@@ -47,6 +47,14 @@ def geometries(warps: int, served: int) -> list[tuple[int, int, int]]:
                 if 4 * mt * maxt + 8 * u * mt + 4 * maxt <= REGISTERS and shared <= 48 * 1024:
                     out.append((maxt, mt, u))
     return out
+
+
+def wanted(geometry: tuple[int, int, int], only: str | None) -> bool:
+    """Whether `--only MAXT:MT:U,...` (each a value or *) keeps a geometry: every other one costs a build."""
+    if not only:
+        return True
+    return any(all(want in ("*", str(have)) for want, have in zip(pattern.split(":"), geometry))
+               for pattern in only.split(","))
 
 
 def copies(w: mx.array, cold: bool) -> list[mx.array]:
@@ -108,7 +116,7 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                     continue
                 if not mx.array_equal(first[:1], alone).item():
                     failures.append(f"WARPS={warps} N={n} K={k}: row 0 of {rows} rows differs from its 1-row call")
-                swept = [own] if args.served_only else geometries(warps, split)
+                swept = [own] if args.served_only else [g for g in geometries(warps, split) if wanted(g, args.only)]
                 for load, geometry in itertools.product(loads, swept):
                     if (warps, geometry, load) in refused:
                         continue
@@ -163,6 +171,8 @@ def main() -> int:
     parser.add_argument("--loads", default="plain", help="16-byte load flavours to time, e.g. plain,l2-256 (the "
                         "first is the served one): " + ", ".join(LOADS))
     parser.add_argument("--served-only", action="store_true", help="time the served geometry alone (per flavour)")
+    parser.add_argument("--only", help="sweep these geometries alone, MAXT:MT:U with * for any, e.g. 2:*:*,4:1:1 "
+                        "(each geometry of a split is a build of its own: the 16-warp sweep's took 70 s a cell)")
     args = parser.parse_args()
     if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
         print("the tile sweep times the cuda source: no CUDA device here", file=sys.stderr)
