@@ -55,7 +55,9 @@ def rowmap(blocks: Sequence[tuple[int, int, int, int]]):
     for slot, (start, count, n, size) in enumerate(blocks):
         out[start:start + count] = (slot, n, key, size)
         key += size
-    return mx.array(out)
+    # an abs of the host's copy: the map every layer's launch reads lives in device memory, not in the managed memory
+    # a host array takes (read at each launch; the streams conv's map does the same)
+    return mx.abs(mx.array(out))
 
 
 # --- checks --------------------------------------------------------------------------------------------------------
