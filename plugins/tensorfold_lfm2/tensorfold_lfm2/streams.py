@@ -52,9 +52,11 @@ def run_layers(layers: Sequence[nn.Module], slots: Sequence[int], parts: Sequenc
             new_states.append(states)
         if i in tapped:
             taps.append(h)
-    keys, values = stack_kv(new_keys, new_values) if stack_kv is not None else \
-        (mx.stack(new_keys, axis=1), mx.stack(new_values, axis=1))
-    return h, keys, values, mx.stack(new_states, axis=1), taps
+    if stack_kv is None:
+        return h, mx.stack(new_keys, axis=1), mx.stack(new_values, axis=1), mx.stack(new_states, axis=1), taps
+    keys, values = stack_kv(new_keys, new_values)
+    # the tails by the same record, one launch for every conv layer (its second stack, the same bits, goes unread)
+    return h, keys, values, stack_kv(new_states, new_states)[0], taps
 
 
 def whole_layers(layers: Sequence[nn.Module], slots: Sequence[int], stack_kv, layout: tuple,

@@ -77,7 +77,7 @@ def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_call
     assert_same_caches(caches[id(whole)], caches[id(apart)])
 
 
-def test_the_attention_layers_keys_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_stack_does(
+def test_the_layers_keys_and_conv_tails_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_stack_does(
         through_records, monkeypatch):
     from tensorfold_core.row_kernels.stack import STACKS
 
@@ -85,10 +85,16 @@ def test_the_attention_layers_keys_stacked_by_the_table_s_record_fill_the_caches
     assert served.stack_kv is STACKS["mlx"] and apart.stack_kv is None
     assert served.kernels["stack kv"] == "lfm2 stack kv (mlx)"
     assert apart.kernels["stack kv"] == f"mlx (lfm2 stack kv (mlx) unused: {STACK_KV_ENV}=0)"
+    stacked = []
+    served.stack_kv = lambda first, second: stacked.append(len(first)) or STACKS["mlx"](first, second)
+    served.whole = None  # the layers from Python, so every forward calls the stack
     caches = {id(m): [m.new_cache(64) for _ in PROMPTS] for m in (served, apart)}
     for windows in (ragged(tokenizer, 3), [[7, 8]] * 3):
         forward_alike((served, apart), caches, windows)
     assert_same_caches(caches[id(served)], caches[id(apart)])
+    layers = served.model.layers
+    attending = sum(layer.is_attention_layer for layer in layers)
+    assert stacked == [attending, len(layers) - attending] * 2  # each forward: the keys and values, then the tails
 
 
 def test_a_moe_model_streams_its_layers_from_python_since_its_blocks_read_their_picks(through_records, monkeypatch):

@@ -12,6 +12,7 @@ from .common import LFM2_1B, TINY_LFM2, TINY_MOE, TINY_MOE_MLP
 
 MODELS = (("tiny-lfm2", TINY_LFM2, False), ("LFM2-1.2B", LFM2_1B, True))
 ATTENTION_LAYERS = {"tiny-lfm2": 2, "LFM2-1.2B": 6}  # the stacked caches' layers: the layers that attend
+CONV_LAYERS = {"tiny-lfm2": 4, "LFM2-1.2B": 10}  # and the conv layers, whose tails the same kernel stacks
 
 
 def projections(bits: int, group: int = 64) -> tuple[Shape, ...]:
@@ -87,8 +88,14 @@ def streams_heads() -> tuple[Shape, ...]:
 
 
 def stacks() -> tuple[Shape, ...]:
-    """The attention layers' keys and values stacked at each model's count of them, bf16 and fp32."""
-    return tuple(Shape(f"{label} {dtype}, {ATTENTION_LAYERS[label]} layers",
+    """The attention layers' keys and values stacked at each model's count of them, and the conv layers' tails
+    ([rows, L - 1, hidden] each), bf16 and fp32."""
+    keys = tuple(Shape(f"{label} {dtype}, {ATTENTION_LAYERS[label]} layers",
                        {"layers": ATTENTION_LAYERS[label], "kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
                         "dtype": dtype}, WIDEST_CALL)
                  for label, m, _ in MODELS for dtype in ("bfloat16", "float32"))
+    tails = tuple(Shape(f"{label} {dtype}, {CONV_LAYERS[label]} conv layers' tails",
+                        {"layers": CONV_LAYERS[label], "kv_heads": m["conv_L"] - 1, "head_dim": m["hidden"],
+                         "dtype": dtype}, WIDEST_CALL)
+                  for label, m, _ in MODELS for dtype in ("bfloat16", "float32"))
+    return keys + tails
