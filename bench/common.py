@@ -255,7 +255,7 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     of 16 (and 8), TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may
     hold), `:l2-256` and `:l2-128` have the bf16 GEMVs' 16-byte loads ask L2 for 256 or 128 bytes,
     TENSORFOLD_GEMV_LOAD, and `:maxt2` has the bf16 GEMVs repeat 16-row blocks past 16 rows instead of reading
-    the weights once for up to 64, TENSORFOLD_GEMV_MAXT=2): the JSON its last line prints."""
+    the weights once for 32, TENSORFOLD_GEMV_MAXT=2): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

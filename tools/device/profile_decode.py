@@ -12,10 +12,10 @@ profiles the served engine too (the drafter, copy drafts, priced depths, as a se
 served engine's own cost per round shows against plain's: its rounds, windows drafted and rounds run ahead print,
 and a round's phases timed unprofiled (planning, building forwards in step, queueing run-ahead steps, the rest).
 `--depth N` profiles a drafted engine too (every window N drafts, no copies, as bench_gpu_pair's drafted cell), and
-a drafting engine's planning splits into the drafter's chain, its catch-up, the copy lookups, the planner's prices and the rest, and the rest of the round
-into the read of the verify's rows (the wait for the device) and the host's work after it. With `--census`, the
-drafter's own step graph is counted beside the target's. (`round_time.py` times the same parts each alone and
-synced; these phases are as rounds run them, overlaps and all.)
+planning splits into the drafter's chain, its catch-up, the copy lookups, the planner's prices and the rest, and
+the rest of the round into the read of the verify's rows (the wait for the device) and the host's work after it.
+With `--census`, the drafter's own step graph is counted beside the target's. (`round_time.py` times the same parts
+each alone and synced; these phases are as rounds run them, overlaps and all.)
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def phased(engine, run) -> str:
         drafter.propose, drafter.catch_up = timed("chain", drafter.propose), timed("catch-up", drafter.catch_up)
         spent.update({"chain": 0.0, "catch-up": 0.0})
     # inside the plan too: the copy lookups and the planner's prices (0 where the round asks none)
-    engine.copy.propose, engine.planner.plan = timed("copies", engine.copy.propose), timed("prices", engine.planner.plan)
+    copy, planner = engine.copy, engine.planner
+    copy.propose, planner.plan = timed("copies", copy.propose), timed("prices", planner.plan)
     spent.update({"copies": 0.0, "prices": 0.0})
     engine_module.np = TimedNumpy()
     start = time.perf_counter()
@@ -90,7 +91,7 @@ def phased(engine, run) -> str:
     finally:
         engine_module.np = np
         del engine.plan, engine._forward, engine.ahead.launch  # the class's own methods again
-        del engine.copy.propose, engine.planner.plan
+        del copy.propose, planner.plan
         if drafter is not None:
             del drafter.propose, drafter.catch_up
     total, n = time.perf_counter() - start, max(engine.rounds - rounds, 1)

@@ -173,7 +173,8 @@ def test_a_band_running_plain_taps_only_the_rows_its_next_drafted_round_catches_
     assert run.tokens(0) == run.tokens(1)  # what a drafter reads never changes a reply
 
 
-def test_a_band_running_plain_looks_up_no_copies_and_one_measuring_drafts_looks_them_up(target, drafter, monkeypatch):
+def test_a_band_running_plain_looks_up_no_copies_and_one_measuring_drafts_looks_them_up(target, drafter,
+                                                                                       monkeypatch):
     run = drafted_run(target, drafter, 2)
     run.engine.planner.timed = True
     looked_up = []
