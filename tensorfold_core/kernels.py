@@ -16,6 +16,15 @@ BUILTIN_OPS_ENV = "TENSORFOLD_KERNELS_BUILTIN"
 RECORDS_KIND = {"cpu": "mlx", "cuda": "cuda", "metal": "metal"}  # a record's implementation each backend runs
 # "1": a drafter runs MLX's own ops instead of the kernel tables (a measurement: bench variant `:drafter-builtin`)
 DRAFTER_BUILTIN_ENV = "TENSORFOLD_DRAFTER_BUILTIN"
+# where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
+# default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
+STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
+# where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
+# (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
+STACK_KV_ENV = "TENSORFOLD_STACK_KV"
+# the switches that leave an op's record unused whatever the table says (the families' ops of these names)
+SWITCHES = {"attention streams": (STREAMS_ENV,), "conv streams": (STREAMS_ENV,),
+            "block attention streams": (STREAMS_ENV,), "stack kv": (STREAMS_ENV, STACK_KV_ENV)}
 
 
 def backend() -> str:
@@ -55,8 +64,11 @@ def served(table: Mapping[str, Mapping[str, str]], on: str | None = None) -> dic
 def describe(table: Mapping[str, Mapping[str, str]]) -> dict:
     """The table as `capabilities --json` shows it: every backend's choice, and what this process serves."""
     here = backend()
-    return {"backend": here, "serving": {op: _label(name, here) for op, name in served(table).items()},
-            "table": {op: dict(choices) for op, choices in table.items()}}
+    serving = {op: _label(name, here) for op, name in served(table).items()}
+    for op, switches in SWITCHES.items():  # a loaded model also says where its path does not apply (`unused`)
+        if any(os.environ.get(name, "1") == "0" for name in switches):
+            unused(serving, (op,), *switches)
+    return {"backend": here, "serving": serving, "table": {op: dict(choices) for op, choices in table.items()}}
 
 
 def _label(name: str, on: str) -> str:

@@ -26,12 +26,6 @@ NORM_ENV = "TENSORFOLD_NORM_IN"
 COMPILE_ENV = "TENSORFOLD_COMPILE"  # "0": no layer part compiled (a measurement); "1": compiled even untested
 # "0": q and k roped a stream at a time in its attention step, not a row at a time in the layer's compiled first part
 ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
-# where rope runs by rows, every stream's attention of a layer is one launch over caches of one buffer each (the
-# default where the packed-streams record serves); "0" launches it a stream at a time, to measure (docs/gpu.md)
-STREAMS_ENV = "TENSORFOLD_STREAM_ATTENTION"
-# where the streams attention serves, the layers' new keys and values stacked in one launch of the stack kv record
-# (the default where it serves); "0" stacks them with MLX's ops, a copy a layer, to measure
-STACK_KV_ENV = "TENSORFOLD_STACK_KV"
 # where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
 # default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
 WHOLE_ENV = "TENSORFOLD_WHOLE_FORWARD"

@@ -7,9 +7,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from tensorfold_core.kernels import BUILTIN, DRAFTER_BUILTIN_ENV, records_served, unused
+from tensorfold_core.kernels import BUILTIN, DRAFTER_BUILTIN_ENV, STREAMS_ENV, records_served, unused
 from tensorfold_core.row_kernels.attention import SPLIT
-from tensorfold_core.row_kernels.modules import STREAMS_ENV
 
 from .kernels import records
 from .model import Model, markov_pick

@@ -103,7 +103,7 @@ def drafts_together(target, drafter, streams: int) -> list[list[int]]:
 
 
 def test_a_hold_s_blocks_in_one_launch_a_layer_draft_what_a_launch_a_block_drafts(target):
-    from tensorfold_core.row_kernels.modules import STREAMS_ENV
+    from tensorfold_core.kernels import STREAMS_ENV
 
     apart = drafter_with(target, {KERNELS_ENV: "records", STREAMS_ENV: "0"})
     try:

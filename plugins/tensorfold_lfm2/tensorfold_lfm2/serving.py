@@ -10,10 +10,10 @@ import numpy as np
 from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
-from tensorfold_core.kernels import records_served, unused
-from tensorfold_core.row_kernels.modules import (STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV, KeyCompiled, RecordLinear,
-                                                 Served, compile_halves, compiling, fused, normed_fused, projection_op,
-                                                 residual_fused, rope_by_rows, swap_tree, swaps, swiglu_fused)
+from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV, records_served, unused
+from tensorfold_core.row_kernels.modules import (WHOLE_ENV, KeyCompiled, RecordLinear, Served, compile_halves,
+                                                 compiling, fused, normed_fused, projection_op, residual_fused,
+                                                 rope_by_rows, swap_tree, swaps, swiglu_fused)
 
 from .kernels import records
 from .ops import OPS

@@ -8,7 +8,8 @@ import pytest
 
 from tensorfold_core.kernels import KERNELS_ENV
 from tensorfold_core.loading import load_model
-from tensorfold_core.row_kernels.modules import COMPILE_ENV, STACK_KV_ENV, STREAMS_ENV, WHOLE_ENV
+from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV
+from tensorfold_core.row_kernels.modules import COMPILE_ENV, WHOLE_ENV
 from tensorfold_core.specs import LoadOptions
 from tensorfold_core.testing import forward_alike
 

@@ -38,6 +38,23 @@ def test_the_cpu_serves_every_op_through_mlx_built_ins_and_capabilities_show_the
         "llama gemv bf16"
 
 
+def test_capabilities_call_a_record_its_switch_turns_off_unused_and_leave_the_others_as_the_table_chose(
+        monkeypatch):
+    from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV
+
+    monkeypatch.setenv(KERNELS_ENV, "records")  # every op with a record through it, as a GPU's table does
+    assert describe(OPS)["serving"]["attention streams"] == "llama window attention streams (mlx)"
+    monkeypatch.setenv(STACK_KV_ENV, "0")
+    serving = describe(OPS)["serving"]
+    assert serving["stack kv"] == f"mlx (llama stack kv (mlx) unused: {STACK_KV_ENV}=0)"
+    assert serving["attention streams"] == "llama window attention streams (mlx)"
+    monkeypatch.setenv(STREAMS_ENV, "0")
+    serving = describe(OPS)["serving"]
+    assert serving["attention streams"] == f"mlx (llama window attention streams (mlx) unused: {STREAMS_ENV}=0)"
+    assert serving["stack kv"].endswith(f"unused: {STREAMS_ENV}=0)")  # the first switch that turns it off
+    assert serving["attention"] == "llama window attention (mlx)"
+
+
 def test_on_cuda_the_table_serves_the_gemv_and_window_attention_records_and_mlx_s_row_invariant_rms_norm():
     chosen = served(OPS, "cuda")
     assert chosen["projection bf16"] == "llama gemv bf16" and chosen["rms_norm"] == BUILTIN
