@@ -215,7 +215,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "parts-compiled": {"TENSORFOLD_WHOLE_FORWARD": "0"}, "rows-read": {"TENSORFOLD_DEVICE_GREEDY": "0"},
             "ops-100": {"MLX_MAX_OPS_PER_BUFFER": "100"}, "ops-250": {"MLX_MAX_OPS_PER_BUFFER": "250"},
             "w8": {"TENSORFOLD_GEMV_NARROW": "8"}, "w16-mt2": {"TENSORFOLD_GEMV_NARROW": "16:2"},
-            "u1": {"TENSORFOLD_GEMV_STEPS": "1"}, "vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "8,32"},
+            "u1": {"TENSORFOLD_GEMV_STEPS": "1"}, "u2": {"TENSORFOLD_GEMV_STEPS": "2"},
+            "vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "8,32"},
             "kc16-vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "16,32"}, "l2-256": {"TENSORFOLD_GEMV_LOAD": "l2-256"},
             "l2-128": {"TENSORFOLD_GEMV_LOAD": "l2-128"},
             "ops-5": {"MLX_MAX_OPS_PER_BUFFER": "5"}, "ops-20": {"MLX_MAX_OPS_PER_BUFFER": "20"},
@@ -250,7 +251,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     `:graphs-off` launches kernels without CUDA graphs, MLX_USE_CUDA_GRAPHS=0, `:w8` splits K
     over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt2` keeps 16 with two
     16-column tiles a warp, the default until one), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block
-    of 1,024 threads may hold), `:u1` has a GEMV warp load one step at a time instead of two, TENSORFOLD_GEMV_STEPS=1,
+    of 1,024 threads may hold), `:u1` has a GEMV warp load one step at a time (the 8-warp split's default),
+    `:u2` two (the 16-warp split's; both splits' until the wide one's was measured), TENSORFOLD_GEMV_STEPS=1 or 2,
     and `:vc32` and `:kc16-vc32` have an attention thread issue 32 value loads (and 16 key loads) together instead
     of 16 (and 8), TENSORFOLD_ATTENTION_CHUNKS (64 value loads ask 168 registers a thread, more than 512 threads may
     hold), `:l2-256` and `:l2-128` have the bf16 GEMVs' 16-byte loads ask L2 for 256 or 128 bytes,

@@ -76,6 +76,21 @@ def test_past_16_rows_a_wide_bf16_gemv_block_takes_32_rows_and_a_narrow_one_keep
     assert gemv.geometry(wide, 40) == gemv.geometry(wide, 16)
 
 
+def test_up_to_16_rows_a_wide_bf16_gemv_warp_loads_one_step_at_a_time_and_a_narrow_one_two(monkeypatch):
+    from tensorfold_core.row_kernels import gemv
+
+    for name in (gemv.NARROW_ENV, gemv.MAXT_ENV, gemv.STEPS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    wide, narrow = gemv.NARROW_COLUMNS, gemv.NARROW_COLUMNS - 1
+    for rows in (1, 8, 9, 16):
+        assert gemv.geometry(wide, rows)[3] == 1
+        assert gemv.geometry(narrow, rows)[3] == 2
+    monkeypatch.setenv(gemv.NARROW_ENV, "8")  # a narrow call on the 8-warp split loads as the wide ones do
+    assert gemv.geometry(narrow, 4)[3] == 1
+    monkeypatch.setenv(gemv.STEPS_ENV, "2")  # the measurement knob still sets every split's
+    assert gemv.geometry(wide, 4)[3] == gemv.geometry(narrow, 4)[3] == 2
+
+
 def test_every_bf16_gemv_launch_fits_its_backend_s_static_shared_memory_at_any_row_count(monkeypatch):
     # a static ask past 48 KB is refused at launch on CUDA, past 32 KB on Apple's GPUs; deep row tiles and the
     # fusions' own buffers add up

@@ -23,6 +23,8 @@ WARPS = 8  # the bf16 kernel's K split: warp w of a group takes the 32-input ste
 # and eight of the affine kernel's 16-row groups; a wider call (a prompt chunk beside windows) repeats those blocks
 WIDEST_CALL = 128
 STEPS_ENV = "TENSORFOLD_GEMV_STEPS"  # U, the 32-input steps a warp loads at once (a measurement; bits never move)
+# up to 16 rows a warp of the 8-warp split loads one step at a time, of the 16-warp split two: each the faster (cold)
+WIDE_STEPS, NARROW_STEPS = 1, 2
 # The K split of calls with fewer than NARROW_COLUMNS outputs (a 1B's q|k|v, o_proj and down_proj): twice the warps,
 # each one's chain half as long, so that a call of so few column blocks keeps enough loads in flight. It orders those
 # shapes' sums anew, alike at any row count (the contract proves each record at it).
@@ -48,14 +50,14 @@ def buckets(rows: int) -> tuple[int, int]:
     return maxr, 8 if maxr <= 4 else 4
 
 
-def tiles(rows: int) -> tuple[int, int, int]:
+def tiles(rows: int, steps: int = NARROW_STEPS) -> tuple[int, int, int]:
     """The bf16 kernel's (MAXT, MT, U) for a call of `rows` rows: 8-row tiles a group, 16-column tiles a warp, and
     steps loaded together; past the deepest tile the grid repeats blocks. None of it changes a (row, column) sum."""
     # up to 16 rows, the fastest on the H200 (bench/bench_gemv_tiles.py, which found every geometry's output
-    # bit-equal): one 8-row tile a group up to 8 rows, two from 9, two column tiles a warp, two steps' loads at once.
+    # bit-equal): one 8-row tile a group up to 8 rows, two from 9, two column tiles a warp, `steps` loads at once.
     # Past 16 rows a block's warps read the weights once for up to 32 rows: repeated 16-row blocks each re-read them
     # (and the whole x) from L2, which set the pace of a verify's 40 rows and a prompt chunk's (docs/performance.md)
-    steps = int(os.environ.get(STEPS_ENV, "2"))
+    steps = int(os.environ.get(STEPS_ENV, steps))
     if rows <= 16:
         return (1, 2, steps) if rows <= 8 else (2, 2, steps)
     deep = int(os.environ.get(MAXT_ENV, str(DEEP_TILES)))
@@ -66,16 +68,18 @@ def tiles(rows: int) -> tuple[int, int, int]:
 def geometry(n: int, rows: int) -> tuple[int, int, int, int]:
     """The bf16 kernel's (WARPS, MAXT, MT, U) for a call of `rows` rows and `n` outputs: the K split follows the
     shape alone, never the rows, so each (row, column) sum keeps its order in a call of any row count."""
-    maxt, mt, u = tiles(rows)
-    warps, narrow_mt = WARPS, mt
+    warps, narrow_tiles = WARPS, None
     if n < NARROW_COLUMNS:
         split, _, tiles_set = os.environ.get(NARROW_ENV, f"{NARROW_WARPS}:{NARROW_TILES}").partition(":")
-        warps, narrow_mt = int(split), int(tiles_set or mt)
+        warps, narrow_tiles = int(split), int(tiles_set) if tiles_set else None
+    steps = WIDE_STEPS if warps == WARPS else NARROW_STEPS
+    maxt, mt, u = tiles(rows, steps)
+    mt = narrow_tiles or mt
     # every warp's sums wait in shared memory for the fold (4 bytes a row and column): a split whose fold holds fewer
     # tiles keeps the 16-row blocks, loaded as up to 16 rows are (four tiles at 16 warps lost on the H100 as well)
     if maxt > FOLD_BYTES // (4 * 8 * 16 * warps):
-        maxt, _, u = tiles(16)
-    return warps, maxt, narrow_mt, u
+        maxt, _, u = tiles(16, steps)
+    return warps, maxt, mt, u
 
 
 def template_value(launch: Launch, name: str) -> int:
