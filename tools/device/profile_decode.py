@@ -54,8 +54,10 @@ def profiled(run, top: int, dump: Path | None = None) -> str:
 def phased(engine, run) -> str:
     """`run()` with the engine's phases timed unprofiled (cProfile inflates Python several times over): ms a round in
     the drafter's chain and catch-up, the rest of planning (prices), building forwards that ran in step, queueing
-    run-ahead steps, reading rows (the wait for the device), and the rest (the draws, the commits)."""
+    run-ahead steps, reading rows (the wait for the device), and the rest (the draws, the commits); a served engine's
+    rounds with drafts and without apart too, since a few drafted rounds hide what its plain rounds cost."""
     spent: Counter = Counter()
+    by_kind: dict[str, Counter] = {"plain rounds": Counter(), "drafted rounds": Counter()}
 
     def timed(name: str, fn):
         def wrapper(*args, **kwargs):
@@ -66,6 +68,17 @@ def phased(engine, run) -> str:
                 spent[name] += time.perf_counter() - start
         return wrapper
 
+    def sorted_round():
+        before, drafted = Counter(spent), engine.counters.verdicts.get("drafted", 0)
+        start = time.perf_counter()
+        try:
+            return engine_round()
+        finally:
+            kind = by_kind["drafted rounds" if engine.counters.verdicts.get("drafted", 0) > drafted else "plain rounds"]
+            kind.update({name: spent[name] - before[name] for name in spent})
+            kind["round"] += time.perf_counter() - start
+            kind["rounds"] += 1
+
     from tensorfold_core.lanes import engine as engine_module
 
     class TimedNumpy:  # the engine's module-level numpy, its `array` (the read that waits for the device) timed
@@ -74,9 +87,9 @@ def phased(engine, run) -> str:
 
         array = staticmethod(timed("read (device wait)", np.array))
 
-    rounds, drafter = engine.rounds, engine.drafter
+    drafter, engine_round = engine.drafter, engine.round
     engine.plan, engine._forward = timed("plan", engine.plan), timed("forward in step", engine._forward)
-    engine.ahead.launch = timed("queue ahead", engine.ahead.launch)
+    engine.ahead.launch, engine.round = timed("queue ahead", engine.ahead.launch), sorted_round
     if drafter is not None:  # inside the plan: told apart below (0 where the planner asked no drafts)
         drafter.propose, drafter.catch_up = timed("chain", drafter.propose), timed("catch-up", drafter.catch_up)
         spent.update({"chain": 0.0, "catch-up": 0.0})
@@ -90,15 +103,26 @@ def phased(engine, run) -> str:
         run()
     finally:
         engine_module.np = np
-        del engine.plan, engine._forward, engine.ahead.launch  # the class's own methods again
+        del engine.plan, engine._forward, engine.ahead.launch, engine.round  # the class's own methods again
         del copy.propose, planner.plan
         if drafter is not None:
             del drafter.propose, drafter.catch_up
-    total, n = time.perf_counter() - start, max(engine.rounds - rounds, 1)
+    total = time.perf_counter() - start
+    lines = [phase_line(spent, total, sum(kind["rounds"] for kind in by_kind.values()))]
+    if drafter is not None:
+        lines += [f"  {name}: " + phase_line(kind, kind["round"], kind["rounds"])
+                  for name, kind in by_kind.items() if kind["rounds"]]
+    return "\n".join(lines)
+
+
+def phase_line(spent: Counter, total: float, rounds: int) -> str:
+    """One line of phases in ms a round: the plan's parts apart, the rest what no timed phase holds."""
     inside = ("chain", "catch-up", "copies", "prices")
+    timed = sum(spent[name] for name in spent if name not in ("round", "rounds"))
     parts = {**spent, "plan": spent["plan"] - sum(spent[name] for name in inside),
-             "rest (draw, commit)": total - sum(spent.values()) + sum(spent[name] for name in inside)}
+             "rest (draw, commit)": total - timed + sum(spent[name] for name in inside)}
     order = (*inside, "plan", "forward in step", "queue ahead", "read (device wait)", "rest (draw, commit)")
+    n = max(rounds, 1)
     return "  ".join(f"{name} {1e3 * parts[name] / n:.3f}" for name in order if name in parts) \
         + f"  (ms a round, {n} rounds)"
 
