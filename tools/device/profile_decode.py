@@ -1,6 +1,7 @@
 """Where a plain decode's host time goes: cProfile of one greedy stream (and of N streams at once) on a checkpoint.
 
     python3 tools/device/profile_decode.py TARGET [--tokens 128] [--streams 8] [--top 25] [--census] [--drafter DIR]
+        [--code-prompts]
 
 Each run is decoded once untimed (MLX builds its kernels on first use), then once under cProfile; prints the tok/s
 and the functions by their own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
@@ -155,6 +156,7 @@ def printed_census(model, tokenizer, streams: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from bench_gpu_pair import together
+    from common import CODE_PROMPTS
 
     from tensorfold_core.lanes.engine import Engine
     from tensorfold_core.lanes.types import GenerationRequest
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--census", action="store_true", help="count one decode step's graph primitives first")
     parser.add_argument("--drafter", help="also profile the served engine with this drafter")
     parser.add_argument("--depth", type=int, default=0, help="and a drafted engine, N drafts a window (with --drafter)")
+    parser.add_argument("--code-prompts", action="store_true", help="stream i decodes bench/common.py's code prompt "
+                        "i (as bench_gpu_pair's streams cells), not one prompt for all")
     parser.add_argument("--dump", type=Path, help="write each run's whole profile here (STREAMS-ENGINE.prof), "
                         "for pstats' callers and cumulative views")
     args = parser.parse_args(argv)
@@ -188,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n== the drafter's step:", end="")
             printed_census(drafter.model, tokenizer, 1)
     for streams in sorted({1, args.streams}):
-        requests = [GenerationRequest(prompt_ids=tokenizer.encode(PROMPT), max_tokens=args.tokens,
-                                      stop_token_ids=frozenset()) for _ in range(streams)]
+        texts = CODE_PROMPTS if args.code_prompts else [PROMPT]
+        requests = [GenerationRequest(prompt_ids=tokenizer.encode(texts[i % len(texts)]), max_tokens=args.tokens,
+                                      stop_token_ids=frozenset()) for i in range(streams)]
         engines = {"plain": Engine(model, shared_rounds=target.row_invariant, copy_drafts=False)}
         if drafter is not None and args.depth:
             engines["drafted"] = Engine(model, shared_rounds=target.row_invariant, drafter=drafter,
