@@ -321,6 +321,8 @@ class Model(nn.Module):
         # streams' spans are in its key, where the attention reads cache offsets on the host (MLX's composed ops)
         self.whole = None
         self.whole_spans = False
+        # the streams' conv spans in its key too: only the MLX conv reads them; the kernels read the row map, an input
+        self.whole_conv_spans = False
         self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
         self.hidden_size = args.hidden_size
         self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)

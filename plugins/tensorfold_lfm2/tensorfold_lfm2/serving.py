@@ -16,6 +16,7 @@ from tensorfold_core.row_kernels.modules import (WHOLE_ENV, KeyCompiled, RecordL
                                                  rope_by_rows, swap_tree, swaps, swiglu_fused)
 
 from .kernels import records
+from .streams import CONV_SPANS_ENV
 from .ops import OPS
 
 
@@ -208,7 +209,8 @@ def serve_streams(model, usable: dict, kind: str) -> None:
     """Every stream of a forward in one launch a layer where the streams records serve (streams.py): the caches
     stacked, their windows stored after the last layer, and the layers compiled whole where no block reads on the host
     mid-forward. As llama's switches say: TENSORFOLD_STREAM_ATTENTION=0 a stream a launch, TENSORFOLD_STACK_KV=0 the
-    keys stacked by MLX's ops, TENSORFOLD_WHOLE_FORWARD=0 the layers called from Python (measurements)."""
+    keys stacked by MLX's ops, TENSORFOLD_WHOLE_FORWARD=0 the layers called from Python, TENSORFOLD_WHOLE_CONV_SPANS=1
+    a trace for each mix of the streams' window sizes, not only for each row count (measurements)."""
     layers = model.model.layers
     kinds = {layer.is_attention_layer for layer in layers}
     wanted = {"attention streams", "conv streams"} <= usable.keys() and os.environ.get(STREAMS_ENV, "1") != "0"
@@ -230,6 +232,8 @@ def serve_streams(model, usable: dict, kind: str) -> None:
     if not model.reads_on_host and os.environ.get(WHOLE_ENV, "1") != "0":
         model.whole = KeyCompiled(after=1)  # a shape met once (a prompt's last chunk) is not traced
         model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
+        # a key of every stream's window sizes met each drafted round's depths anew, so the round ran untraced
+        model.whole_conv_spans = model.whole_spans or os.environ.get(CONV_SPANS_ENV, "0") == "1"
 
 
 def streams_conv(conv: nn.Conv1d, launch):

@@ -12,6 +12,7 @@ import numpy as np
 
 from tensorfold_core.families import Span
 
+CONV_SPANS_ENV = "TENSORFOLD_WHOLE_CONV_SPANS"  # "1": the conv spans key the whole forward's trace (a measurement)
 LAYOUT_LIMIT = 4096  # conv row-map layouts kept; a drafting group meets a few hundred
 
 _ROWMAPS: dict = {}  # the streams' (first row, rows) -> each row's (stream, its window's first row), in device memory
@@ -81,6 +82,14 @@ def whole_layers(layers: Sequence[nn.Module], slots: Sequence[int], stack_kv, la
     return traced
 
 
+def whole_key(model, rows: int, groups: Sequence, convs: ConvStreams) -> tuple[tuple, tuple]:
+    """The whole forward's layout (what its trace holds as constants) and its trace's key: the row count, the groups,
+    the caches' shapes, and the streams' spans only where MLX's ops read them on the host."""
+    layout = (tuple((lo, hi, packed.spans if model.whole_spans else None, len(ks)) for lo, hi, packed, ks, _ in groups),
+              convs[1] if model.whole_conv_spans else None)
+    return layout, (rows, layout, model._tapped, tuple(tuple(k.shape) for g in groups for k in g[3]))
+
+
 def forward_streams(model, h: mx.array, spans: Sequence[Span], positions: mx.array,
                     outputs: dict[int, mx.array]) -> mx.array:
     """The layers over stacked caches, each layer one launch for every stream (attention by groups of 8), reading
@@ -90,9 +99,7 @@ def forward_streams(model, h: mx.array, spans: Sequence[Span], positions: mx.arr
     layers, tapped = model.model.layers, model._tapped
     groups, convs, traced = stream_groups(spans, positions), conv_streams(spans), None
     if model.whole is not None:  # every layer in one compiled call: one trace a shape replays every launch
-        layout = (tuple((lo, hi, packed.spans if model.whole_spans else None, len(ks))
-                        for lo, hi, packed, ks, _ in groups), convs[1])
-        key = (h.shape[0], layout, tapped, tuple(tuple(k.shape) for g in groups for k in g[3]))
+        layout, key = whole_key(model, h.shape[0], groups, convs)
         traced = model.whole.get(key, lambda: whole_layers(layers, model._slots, model.stack_kv, layout, tapped))
     if traced is None:  # no whole forward, or a shape met for the first time: the layers' parts from Python
         parts = [layer.halves or (layer.before_roped if layer.is_attention_layer else layer.before, layer.after)

@@ -78,6 +78,26 @@ def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_call
     assert_same_caches(caches[id(whole)], caches[id(apart)])
 
 
+def test_a_kernel_served_whole_forward_keys_its_trace_by_rows_not_by_each_stream_s_window_size(through_records):
+    from tensorfold_core.families import Span, row_positions
+    from tensorfold_core.row_kernels.step_arrays import stream_groups
+    from tensorfold_lfm2.streams import conv_streams, whole_key
+
+    model, _, _ = load_model("tiny-lfm2", BF16)
+    assert model.whole_conv_spans  # on the CPU the MLX conv reads the spans on the host
+    caches = [model.new_cache(64) for _ in range(3)]
+
+    def key(sizes):
+        spans = [Span(sum(sizes[:i]), n, cache, None) for i, (n, cache) in enumerate(zip(sizes, caches))]
+        return whole_key(model, sum(sizes), stream_groups(spans, row_positions(spans)), conv_streams(spans))[1]
+
+    assert key((2, 2, 2)) != key((1, 4, 1))
+    # as on a GPU, where the kernels read the row maps (inputs): a drafted round's depths need no trace of their own
+    model.whole_spans = model.whole_conv_spans = False
+    assert key((2, 2, 2)) == key((1, 4, 1)) == key((5, 1, 0))
+    assert key((2, 2, 2)) != key((2, 2, 3))
+
+
 def test_the_layers_keys_and_conv_tails_stacked_by_the_table_s_record_fill_the_caches_as_mlx_s_stack_does(
         through_records, monkeypatch):
     from tensorfold_core.row_kernels.stack import STACKS
