@@ -177,3 +177,13 @@ def test_missing_members_counts_a_module_dict_member_and_names_what_an_object_la
     lacking = missing_members(stripped, Model)
     assert "kernels" in lacking and "new_cache" in lacking and "forward" not in lacking and "keep" not in lacking
     assert "keep_later" in missing_members(stripped, LookaheadModel)  # a protocol's own members and its bases'
+
+
+def test_rounds_in_step_commit_every_window_in_one_evaluation_not_a_keep_a_stream(model, monkeypatch):
+    # a keep of its own waits on the device a stream; the commits wait together for the next round instead
+    keeps = []
+    monkeypatch.setattr(model, "keep", lambda cache, rows: keeps.append(rows))
+    requests = mixed_requests(4, 300, seed=3)
+    got, run = replies(model, requests, 4, lookahead=False)
+    assert keeps == [] and run.engine.ahead.used == 0
+    assert [len(ids) for ids in got] == [request.max_tokens for request in requests]

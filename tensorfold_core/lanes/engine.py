@@ -11,7 +11,7 @@ import numpy as np
 from typing import cast
 
 from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
-                         HoldPricedDrafter, Model, TappedModel)
+                         HoldPricedDrafter, Model, TappedModel, can_keep_later)
 from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
@@ -313,11 +313,11 @@ class Engine:
                 turn.stream.emit(ErrorEvent(error=exc))
                 self._forget(turn.stream, kept=False)
             return verified
-        row, firsts = 0, []
+        row, firsts, kept = 0, [], []
         for turn in group:
             stream = turn.stream
             if not turn.draws:
-                self.model.keep(stream.cache, len(turn.window))
+                kept += self._keep(stream.cache, len(turn.window))
                 continue
             n = 1 + len(turn.drafts)
             if isinstance(turn.drafts, HeldDrafts):  # read with the logits: evaluated by now, so no wait
@@ -332,7 +332,7 @@ class Engine:
             accepted = accepted_prefix(turn.drafts, draws)
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
             if tokens is None:  # a round that ran ahead kept its one row already
-                self.model.keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
+                kept += self._keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
             self._count(turn, accepted)
             before = len(stream.tokens)
             shown = stream.commit(draws[:accepted + 1])
@@ -341,9 +341,19 @@ class Engine:
             verified[id(turn)] = Verified(len(turn.drafts), accepted, len(stream.tokens) - before)
             if stream.finish_reason:
                 self._leave(stream)
+        if kept:  # every stream's commit in one evaluation, which the host does not wait for
+            mx.async_eval(kept)
         if tokens is not None:
             self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
+
+    def _keep(self, cache, rows: int) -> list:
+        """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a
+        keep of its own is a host wait on the device a stream), else kept at once."""
+        if can_keep_later(self.model):
+            return self.model.keep_later(cache, rows)
+        self.model.keep(cache, rows)
+        return []
 
     def _reads_ids(self, group: list[Turn]) -> bool:
         """Whether the round's draws are all plain greedy ones, which the device's argmax gives without the rows."""
