@@ -61,6 +61,7 @@ class Engine:
         # a greedy round of streams that cannot draft queues its next step before the host reads it (None:
         # TENSORFOLD_LOOKAHEAD, default on)
         self.ahead = Lookahead(model, lookahead)
+        self._keeps_later = can_keep_later(model)  # a round's commits evaluated together (`_keep`)
         # a round whose every drawing row is plain greedy reads its ids, not its logits rows (TENSORFOLD_DEVICE_GREEDY)
         self.device_greedy = os.environ.get(DEVICE_GREEDY_ENV, "1") != "0"
         self.id_rounds = 0  # forwards whose draws were read as the device's greedy ids (tests and figures)
@@ -350,7 +351,7 @@ class Engine:
     def _keep(self, cache, rows: int) -> list:
         """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a
         keep of its own is a host wait on the device a stream), else kept at once."""
-        if can_keep_later(self.model):
+        if self._keeps_later:
             return self.model.keep_later(cache, rows)
         self.model.keep(cache, rows)
         return []
