@@ -50,7 +50,7 @@ def buckets(rows: int) -> tuple[int, int]:
     return maxr, 8 if maxr <= 4 else 4
 
 
-def tiles(rows: int, steps: int = NARROW_STEPS) -> tuple[int, int, int]:
+def tiles(rows: int, steps: int) -> tuple[int, int, int]:
     """The bf16 kernel's (MAXT, MT, U) for a call of `rows` rows: 8-row tiles a group, 16-column tiles a warp, and
     steps loaded together; past the deepest tile the grid repeats blocks. None of it changes a (row, column) sum."""
     # up to 16 rows, the fastest on the H200 (bench/bench_gemv_tiles.py, which found every geometry's output
