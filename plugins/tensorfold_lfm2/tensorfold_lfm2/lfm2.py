@@ -323,6 +323,7 @@ class Model(nn.Module):
         self.whole_spans = False
         # the streams' conv spans in its key too: only the MLX conv reads them; the kernels read the row map, an input
         self.whole_conv_spans = False
+        self.pad_rows = 0  # a whole forward's rows past this padded to a multiple of it, where they key its trace
         self.taps = args.num_hidden_layers  # every layer's output can be tapped for a drafter
         self.hidden_size = args.hidden_size
         self._tapped: tuple[int, ...] = ()  # the layers tapped now (features)

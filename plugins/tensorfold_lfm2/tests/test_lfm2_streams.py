@@ -164,3 +164,35 @@ def test_a_stacked_model_s_taps_are_the_rows_a_launch_a_stream_taps(through_reco
         taps[id(m)] = [m.take_features(cache) for cache in caches]
     for ours, theirs in zip(taps[id(packed)], taps[id(apart)]):
         assert ours.start == theirs.start and mx.array_equal(ours.rows, theirs.rows).item()
+
+
+def test_a_whole_forward_padded_to_a_multiple_of_eight_rows_gives_the_logits_caches_and_taps_of_one_unpadded(
+        through_records, monkeypatch):
+    from tensorfold_lfm2.streams import PAD_ROWS_ENV
+
+    monkeypatch.setenv(PAD_ROWS_ENV, "8")
+    padded, tokenizer, _ = load_model("tiny-lfm2", BF16)
+    plain, _, _ = load_model("tiny-lfm2", BF16)
+    # on the CPU MLX's conv keys the trace by spans, so serving pads nothing there: padded here to prove the rows
+    assert padded.pad_rows == 0 and padded.whole is not None
+    padded.pad_rows = 8
+    caches = {id(m): [m.new_cache(64) for _ in range(5)] for m in (padded, plain)}
+    for m in (padded, plain):
+        m.features([1, 5])
+    # the ragged prompts (32 rows: no pad), then windows of 1 to 5 rows (15 -> 16), then 3 x 3 (9 -> 16)
+    for windows in (ragged(tokenizer, 5), [[7 + i] * (1 + i) for i in range(5)], [[12, 13, 14]] * 3):
+        forward_alike((padded, plain), caches, windows)
+    assert_same_caches(caches[id(padded)], caches[id(plain)])
+    for ours, theirs in zip(*(map(m.take_features, caches[id(m)]) for m in (padded, plain))):
+        assert ours.start == theirs.start and mx.array_equal(ours.rows, theirs.rows).item()
+    assert sorted(key[0] for key in padded.whole.met) == [16, 16, 32]  # each key's row count: 15 and 9 ran as 16
+
+
+def test_only_a_forward_past_eight_rows_and_off_a_multiple_of_eight_is_padded_and_only_its_last_window():
+    from tensorfold_core.families import Span
+    from tensorfold_lfm2.streams import padded_spans
+
+    spans = [Span(0, 3, None, None), Span(3, 7, None, None)]
+    assert [s.n for s in padded_spans(spans, 8)] == [3, 13]  # 10 rows run as 16
+    few, whole = spans[:1], [Span(0, 9, None, None), Span(9, 7, None, None)]
+    assert padded_spans(few, 8) is few and padded_spans(whole, 8) is whole and padded_spans(spans, 0) is spans
