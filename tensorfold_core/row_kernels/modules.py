@@ -29,6 +29,9 @@ ROPE_ROWS_ENV = "TENSORFOLD_ROPE_ROWS"
 # where the streams attention serves, every layer of a forward is one mx.compile'd call, a trace a shape (the
 # default); "0" calls each layer's compiled parts and its attention from Python, to measure (docs/gpu.md)
 WHOLE_ENV = "TENSORFOLD_WHOLE_FORWARD"
+# the times a whole forward's key is met untraced before it is traced: 1 (the default) leaves a shape met once (a
+# prompt's last chunk) untraced; 0 traces at once, so a new key costs one slow round, not two (bench `:trace-first`)
+TRACE_AFTER_ENV = "TENSORFOLD_WHOLE_TRACE_AFTER"
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +331,11 @@ class KeyCompiled:
                 del self.compiled[next(iter(self.compiled))]
         self.compiled[key] = compiled  # last in the dict: the most recently used
         return compiled
+
+
+def whole_forward_traces() -> KeyCompiled:
+    """A family's whole-forward traces, one a key, traced after TENSORFOLD_WHOLE_TRACE_AFTER untraced meetings."""
+    return KeyCompiled(after=int(os.environ.get(TRACE_AFTER_ENV, "1")))
 
 
 class ShapeCompiled(KeyCompiled):

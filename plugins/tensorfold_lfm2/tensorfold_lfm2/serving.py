@@ -11,9 +11,9 @@ from tensorfold_contract.helpers import kernel_array
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV, records_served, unused
-from tensorfold_core.row_kernels.modules import (WHOLE_ENV, KeyCompiled, RecordLinear, Served, compile_halves,
-                                                 compiling, fused, normed_fused, projection_op, residual_fused,
-                                                 rope_by_rows, swap_tree, swaps, swiglu_fused)
+from tensorfold_core.row_kernels.modules import (WHOLE_ENV, RecordLinear, Served, compile_halves, compiling, fused,
+                                                 normed_fused, projection_op, residual_fused, rope_by_rows, swap_tree,
+                                                 swaps, swiglu_fused, whole_forward_traces)
 
 from .kernels import records
 from .streams import CONV_SPANS_ENV, PAD_ROWS, PAD_ROWS_ENV
@@ -230,7 +230,7 @@ def serve_streams(model, usable: dict, kind: str) -> None:
     if "stack kv" in usable and os.environ.get(STACK_KV_ENV, "1") != "0":
         model.stack_kv = STACKS[kind]
     if not model.reads_on_host and os.environ.get(WHOLE_ENV, "1") != "0":
-        model.whole = KeyCompiled(after=1)  # a shape met once (a prompt's last chunk) is not traced
+        model.whole = whole_forward_traces()
         model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
         # a key of every stream's window sizes met each drafted round's depths anew, so the round ran untraced
         model.whole_conv_spans = model.whole_spans or os.environ.get(CONV_SPANS_ENV, "0") == "1"

@@ -196,3 +196,16 @@ def test_only_a_forward_past_eight_rows_and_off_a_multiple_of_eight_is_padded_an
     assert [s.n for s in padded_spans(spans, 8)] == [3, 13]  # 10 rows run as 16
     few, whole = spans[:1], [Span(0, 9, None, None), Span(9, 7, None, None)]
     assert padded_spans(few, 8) is few and padded_spans(whole, 8) is whole and padded_spans(spans, 0) is spans
+
+
+def test_a_whole_forward_traces_a_key_at_its_second_meeting_unless_told_to_trace_at_its_first(through_records,
+                                                                                             monkeypatch):
+    from tensorfold_core.row_kernels.modules import TRACE_AFTER_ENV
+
+    served, _, _ = load_model("tiny-lfm2", BF16)
+    monkeypatch.setenv(TRACE_AFTER_ENV, "0")
+    first, _, _ = load_model("tiny-lfm2", BF16)
+    for model in (served, first):
+        model.forward([model.new_cache(64) for _ in range(2)], [[7, 8], [9]], [1, 1])
+    assert (len(served.whole.compiled), len(served.whole.met)) == (0, 1)  # met once, run from Python
+    assert (len(first.whole.compiled), len(first.whole.met)) == (1, 0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV, records_served, unused
-from tensorfold_core.row_kernels.modules import (WHOLE_ENV, KeyCompiled, RecordLinear, compile_halves, compiling,
-                                                 fused, normed_fused, projection_op, residual_fused, rope_by_rows,
-                                                 swaps, swiglu_fused)
+from tensorfold_core.row_kernels.modules import (WHOLE_ENV, RecordLinear, compile_halves, compiling, fused,
+                                                 normed_fused, projection_op, residual_fused, rope_by_rows, swaps,
+                                                 swiglu_fused, whole_forward_traces)
 
 from .kernels import records
 from .ops import OPS
@@ -144,7 +144,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
 
                     model.stack_kv = STACKS[kind]
                 if os.environ.get(WHOLE_ENV, "1") != "0":
-                    model.whole = KeyCompiled(after=1)  # a shape met once (a prompt's last chunk) is not traced
+                    model.whole = whole_forward_traces()
                     model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
         for layer in blocks.layers:  # each norm read by the one launch after it: a launch fewer each
             attn, mlp = layer.self_attn, layer.mlp
