@@ -19,6 +19,11 @@ DEVICE_ARRAYS_ENV = "TENSORFOLD_DEVICE_STEP_ARRAYS"
 # int32 values past MLX's 8-byte scalar pool, which is managed memory shared with every small array the host makes
 SMALLEST_ROWS = 3
 STATIC_LIMIT = 4096  # row-map layouts kept; a drafting group meets a few hundred
+# a traced forward of more rows than this runs padded to a multiple of it: each mix of a drafted round's depths is
+# then one of a few row counts, each traced once, where every count from 9 to 48 at 8 streams was a trace (and a
+# round run from Python first) of its own. "0" pads nothing (a measurement: bench variant `:unpadded`)
+PAD_ROWS_ENV = "TENSORFOLD_WHOLE_PAD_ROWS"
+PAD_ROWS = 8
 
 _STATIC: dict = {}  # streams' (first row, rows) -> their rows' (slot, 0, window's first row), in device memory
 _COLUMN: list = []  # (0, 1, 0) in device memory: where a row map's position goes
@@ -92,3 +97,30 @@ def stream_groups(spans: Sequence[Span], positions: mx.array) -> list[StreamGrou
         groups.append((lo, hi, Packed(layout, rowmap(layout, positions[lo:hi])), [s[2].keys[0] for s in part],
                        [s[2].values[0] for s in part]))
     return groups
+
+
+def pad_rows(spans_key_trace: bool) -> int:
+    """The multiple a family's traced whole forward pads its rows to: none where the spans key the trace anyway (every
+    mix of depths is a key of its own there, so padding would add rows and save nothing)."""
+    return 0 if spans_key_trace else int(os.environ.get(PAD_ROWS_ENV, str(PAD_ROWS)))
+
+
+def padded_spans(spans: Sequence[Span], multiple: int) -> Sequence[Span]:
+    """The spans with the last window run on to a multiple of `multiple` rows past it (the spans themselves where
+    none is needed, or `multiple` is 0). A row's sums never depend on the rows beside it (the contract's gate 4)
+    and attention is causal, so every real row computes as unpadded."""
+    rows = spans[-1].start + spans[-1].n
+    if not multiple or rows <= multiple or rows % multiple == 0:
+        return spans
+    return [*spans[:-1], spans[-1]._replace(n=spans[-1].n + multiple - rows % multiple)]
+
+
+def padded_forward(h: mx.array, spans: Sequence[Span], positions: mx.array | None,
+                   multiple: int) -> tuple[mx.array, Sequence[Span], mx.array | None]:
+    """A forward's rows, spans and positions padded as padded_spans says: the pad rows repeat the last row, run on
+    after the last window's and are never stored nor read (the caller cuts them from its output)."""
+    padded = padded_spans(spans, multiple)
+    if padded is spans:
+        return h, spans, positions
+    h = mx.concatenate([h, mx.repeat(h[-1:], padded[-1].n - spans[-1].n, axis=0)])
+    return h, padded, None if positions is None else row_positions(padded)

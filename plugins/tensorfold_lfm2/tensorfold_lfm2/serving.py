@@ -16,7 +16,7 @@ from tensorfold_core.row_kernels.modules import (WHOLE_ENV, RecordLinear, Served
                                                  swaps, swiglu_fused, whole_forward_traces)
 
 from .kernels import records
-from .streams import CONV_SPANS_ENV, PAD_ROWS, PAD_ROWS_ENV
+from .streams import CONV_SPANS_ENV
 from .ops import OPS
 
 
@@ -218,6 +218,7 @@ def serve_streams(model, usable: dict, kind: str) -> None:
         return
     from tensorfold_core.row_kernels.attention_streams import STREAMS_ATTENTION
     from tensorfold_core.row_kernels.stack import STACKS
+    from tensorfold_core.row_kernels.step_arrays import pad_rows
 
     from .kernels.conv_streams import STREAMS_CONV
 
@@ -234,8 +235,7 @@ def serve_streams(model, usable: dict, kind: str) -> None:
         model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
         # a key of every stream's window sizes met each drafted round's depths anew, so the round ran untraced
         model.whole_conv_spans = model.whole_spans or os.environ.get(CONV_SPANS_ENV, "0") == "1"
-        # where the spans key the trace, every mix of depths is one anyway: padding would add rows and save nothing
-        model.pad_rows = 0 if model.whole_conv_spans else int(os.environ.get(PAD_ROWS_ENV, str(PAD_ROWS)))
+        model.pad_rows = pad_rows(model.whole_conv_spans)
 
 
 def streams_conv(conv: nn.Conv1d, launch):

@@ -13,11 +13,6 @@ import numpy as np
 from tensorfold_core.families import Span
 
 CONV_SPANS_ENV = "TENSORFOLD_WHOLE_CONV_SPANS"  # "1": the conv spans key the whole forward's trace (a measurement)
-# a traced forward of more rows than this runs padded to a multiple of it: each mix of a drafted round's depths is
-# then one of a few row counts, each traced once, where every count from 9 to 48 at 8 streams was a trace (and a
-# round run from Python first) of its own. "0" pads nothing (a measurement: bench variant `:unpadded`)
-PAD_ROWS_ENV = "TENSORFOLD_WHOLE_PAD_ROWS"
-PAD_ROWS = 8
 LAYOUT_LIMIT = 4096  # conv row-map layouts kept; a drafting group meets a few hundred
 
 _ROWMAPS: dict = {}  # the streams' (first row, rows) -> each row's (stream, its window's first row), in device memory
@@ -99,14 +94,11 @@ def forward_streams(model, h: mx.array, spans: Sequence[Span], positions: mx.arr
                     outputs: dict[int, mx.array]) -> mx.array:
     """The layers over stacked caches, each layer one launch for every stream (attention by groups of 8), reading
     the caches as they were; then each stream's window of every layer stored at once. Tapped rows go to `outputs`."""
-    from tensorfold_core.row_kernels.step_arrays import row_positions, stream_groups
+    from tensorfold_core.row_kernels.step_arrays import padded_forward, stream_groups
 
     layers, tapped = model.model.layers, model._tapped
     rows = h.shape[0]
-    padded = padded_spans(spans, model.pad_rows)
-    if padded is not spans:  # the pad rows run on after the last window's and are never stored nor read
-        h = mx.concatenate([h, mx.repeat(h[-1:], padded[-1].n - spans[-1].n, axis=0)])
-        positions = None if positions is None else row_positions(padded)
+    h, padded, positions = padded_forward(h, spans, positions, model.pad_rows)
     groups, convs, traced = stream_groups(padded, positions), conv_streams(padded), None
     if model.whole is not None:  # every layer in one compiled call: one trace a shape replays every launch
         layout, key = whole_key(model, h.shape[0], groups, convs)
@@ -127,12 +119,3 @@ def forward_streams(model, h: mx.array, spans: Sequence[Span], positions: mx.arr
         cache.store_window(keys[start:start + n], values[start:start + n], states[start:start + n])
     return h if h.shape[0] == rows else h[:rows]
 
-
-def padded_spans(spans: Sequence[Span], multiple: int) -> Sequence[Span]:
-    """The spans with the last window run on to a multiple of `multiple` rows past it (the spans themselves where
-    none is needed, or `multiple` is 0). A row's sums never depend on the rows beside it (the contract's gate 4)
-    and attention is causal, so every real row computes as unpadded."""
-    rows = spans[-1].start + spans[-1].n
-    if not multiple or rows <= multiple or rows % multiple == 0:
-        return spans
-    return [*spans[:-1], spans[-1]._replace(n=spans[-1].n + multiple - rows % multiple)]

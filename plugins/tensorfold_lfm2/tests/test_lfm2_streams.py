@@ -168,7 +168,7 @@ def test_a_stacked_model_s_taps_are_the_rows_a_launch_a_stream_taps(through_reco
 
 def test_a_whole_forward_padded_to_a_multiple_of_eight_rows_gives_the_logits_caches_and_taps_of_one_unpadded(
         through_records, monkeypatch):
-    from tensorfold_lfm2.streams import PAD_ROWS_ENV
+    from tensorfold_core.row_kernels.step_arrays import PAD_ROWS_ENV
 
     monkeypatch.setenv(PAD_ROWS_ENV, "8")
     padded, tokenizer, _ = load_model("tiny-lfm2", BF16)
@@ -190,7 +190,7 @@ def test_a_whole_forward_padded_to_a_multiple_of_eight_rows_gives_the_logits_cac
 
 def test_only_a_forward_past_eight_rows_and_off_a_multiple_of_eight_is_padded_and_only_its_last_window():
     from tensorfold_core.families import Span
-    from tensorfold_lfm2.streams import padded_spans
+    from tensorfold_core.row_kernels.step_arrays import padded_spans
 
     spans = [Span(0, 3, None, None), Span(3, 7, None, None)]
     assert [s.n for s in padded_spans(spans, 8)] == [3, 13]  # 10 rows run as 16

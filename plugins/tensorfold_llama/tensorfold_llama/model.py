@@ -11,7 +11,7 @@ import mlx.nn as nn
 from tensorfold_core.errors import CheckpointError
 from tensorfold_core.families import (WINDOW_SLACK, ConfigArgs, Span, check_keep, close_windows, pack_windows,
                                       packed_ids, picked_logits, size_class, swiglu)
-from tensorfold_core.row_kernels.step_arrays import StreamGroup, row_positions, stream_groups
+from tensorfold_core.row_kernels.step_arrays import StreamGroup, padded_forward, row_positions, stream_groups
 
 from .cache import KeptKV, KVCache, StackedKV
 
@@ -312,6 +312,7 @@ class Model(nn.Module):
         # streams' spans are in its key, where the attention reads cache offsets on the host (MLX's composed ops)
         self.whole = None
         self.whole_spans = False
+        self.pad_rows = 0  # a whole forward's rows past this padded to a multiple of it, where they key its trace
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -376,7 +377,9 @@ class Model(nn.Module):
     def forward_streams(self, h: mx.array, spans: Sequence[Span], positions: mx.array) -> mx.array:
         """The layers over stacked caches: each layer's attention one launch for up to 8 streams, reading the caches
         as they were; then each stream's window of every layer stored at once."""
-        groups, traced = stream_groups(spans, positions), None
+        rows = h.shape[0]
+        h, padded, positions = padded_forward(h, spans, positions, self.pad_rows)
+        groups, traced = stream_groups(padded, positions), None
         if self.whole is not None:  # every layer in one compiled call: one trace a shape replays every launch
             layout = tuple((lo, hi, packed.spans if self.whole_spans else None, len(ks))
                            for lo, hi, packed, ks, _ in groups)
@@ -392,7 +395,7 @@ class Model(nn.Module):
         keys, values = mx.depends([keys, values], [h])
         for start, n, cache, _ in spans:
             cache.store_window(keys[start:start + n], values[start:start + n])
-        return h
+        return h if h.shape[0] == rows else h[:rows]
 
     def keep(self, cache: KVCache, rows: int) -> None:
         mx.eval(self.keep_later(cache, rows))  # cut the graph: a window whose rows gave no logits is computed here

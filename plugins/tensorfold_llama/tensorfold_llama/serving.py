@@ -8,6 +8,7 @@ from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV, records_served, u
 from tensorfold_core.row_kernels.modules import (WHOLE_ENV, RecordLinear, compile_halves, compiling, fused,
                                                  normed_fused, projection_op, residual_fused, rope_by_rows, swaps,
                                                  swiglu_fused, whole_forward_traces)
+from tensorfold_core.row_kernels.step_arrays import pad_rows
 
 from .kernels import records
 from .ops import OPS
@@ -146,6 +147,7 @@ def serve_kernels(model, compiled: bool = True) -> dict:
                 if os.environ.get(WHOLE_ENV, "1") != "0":
                     model.whole = whole_forward_traces()
                     model.whole_spans = kind == "mlx"  # MLX's composed attention slices caches at their offsets
+                    model.pad_rows = pad_rows(model.whole_spans)
         for layer in blocks.layers:  # each norm read by the one launch after it: a launch fewer each
             attn, mlp = layer.self_attn, layer.mlp
             if attn.rope_qkv is not None:

@@ -425,6 +425,25 @@ def test_a_forward_compiled_whole_gives_the_logits_and_caches_of_its_layers_call
     assert_same_stacked_caches(caches[id(whole)], caches[id(apart)])
 
 
+def test_a_whole_forward_padded_to_a_multiple_of_eight_rows_gives_the_logits_and_caches_of_one_unpadded(
+        through_records, monkeypatch):
+    from tensorfold_core.row_kernels.step_arrays import PAD_ROWS_ENV
+    from tensorfold_llama.serving import WHOLE_ENV
+
+    monkeypatch.setenv(PAD_ROWS_ENV, "8")
+    padded, plain, _ = compiled_with_and_without(monkeypatch, WHOLE_ENV)
+    # on the CPU MLX's attention keys the trace by spans, so serving pads nothing there: padded here to prove the rows
+    assert padded.pad_rows == 0 and padded.whole is not None
+    padded.pad_rows = 8
+    caches = {id(m): [m.new_cache(64) for _ in range(5)] for m in (padded, plain)}
+    # prompts of 3 to 7 ids (25 -> 32), then windows of 1 to 5 rows (15 -> 16), then 3 x 3 (9 -> 16)
+    for windows in ([list(range(20 + i, 23 + 2 * i)) for i in range(5)], [[7 + i] * (1 + i) for i in range(5)],
+                    [[12, 13, 14]] * 3):
+        forward_alike((padded, plain), caches, windows)
+    assert_same_stacked_caches(caches[id(padded)], caches[id(plain)])
+    assert sorted(key[0] for key in padded.whole.met) == [16, 16, 32]  # each key's row count: 25, 15 and 9 padded
+
+
 def test_a_dropped_model_whose_forward_was_compiled_whole_frees_its_layers(through_records, monkeypatch):
     import gc
     import weakref
