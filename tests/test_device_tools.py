@@ -3,6 +3,7 @@ tiny pair."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,10 @@ def test_the_guard_trace_logs_each_measured_round_and_the_verdict_that_follows_t
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines[::2]] == ["pass 0", "pass 1"]
+    assert [line.split(":")[0] for line in lines[::3]] == ["pass 0", "pass 1"]
+    # each pass's rounds tallied by what a guard saw in them: the plain measure's 16 and more, and the prompts' chunks
+    tally = {kind.strip(): int(n) for kind, n in re.findall(r"([a-z ]+) (\d+) in [\d.]+ ms", lines[2].split(":")[1])}
+    assert tally["shared plain"] >= 16 and tally["other"] >= 1
     first = lines[1].split()
     # the guard measures 16 plain rounds of the 2-stream band (the first of them uncounted), then says what runs next
     assert all(word.startswith("p2/") for word in first[:17])

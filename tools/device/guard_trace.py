@@ -5,7 +5,8 @@
 Each pass decodes the same N code prompts at once on a plain engine, then on the served one (one engine for every
 pass, as a server keeps one), checks the served replies equal the plain ones, and prints both rates with the
 guard's log: `p8/5.1` a plain round of 8 streams that committed 8 tokens in 5.1 ms, `D37/8.9` a drafted one, `*` a
-round in the mode the guard did not ask for, and each verdict between bars (each mode's rate in tokens a ms, the
+round in the mode the guard did not ask for, `+` one during which a compiled trace was made, `~` one that ran a
+forward from Python for a key met too few times to trace, and each verdict between bars (each mode's rate in tokens a ms, the
 mode it runs next, and for how many rounds). Drafted rounds far slower than their neighbours are what a measure of
 four rounds can pick plain on, and a plain verdict runs 512 rounds. Run it through `run_on_h200.sh exec`, with
 MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=0: contract/receipts/h200-2026-12-05d/).
@@ -15,21 +16,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
-def traced_guard(log: list[str]) -> None:
-    """Log every round the shared guard observes and every verdict it reaches into `log`."""
-    from tensorfold_core.lanes.guards import SharedGuard
+def traced_guard(log: list[str]) -> dict:
+    """Log every round the shared guard observes and every verdict it reaches into `log`; the returned dict's "kind"
+    names the last round a guard observed (shared drafted, shared plain or lone)."""
+    from tensorfold_core import traces
+    from tensorfold_core.lanes.guards import LoneGuard, SharedGuard
+    from tensorfold_core.row_kernels.modules import KeyCompiled
 
-    observe, verdict = SharedGuard.observe, SharedGuard._next
+    observe, verdict, get, lone = SharedGuard.observe, SharedGuard._next, KeyCompiled.get, LoneGuard.observe
+    seen = {"untraced": 0, "at": (traces.count(), 0), "kind": None}
+
+    def counted_get(self, key, make):
+        compiled = get(self, key, make)
+        seen["untraced"] += compiled is None
+        return compiled
 
     def logged_observe(self, streams, drafted, tokens, ms, catch_up=0.0):
         unasked = "*" if drafted != self._band(streams).drafted else ""
-        log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}")
+        now = (traces.count(), seen["untraced"])
+        marks = ("+" if now[0] != seen["at"][0] else "") + ("~" if now[1] != seen["at"][1] else "")
+        seen["at"] = now
+        log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}{marks}")
+        seen["kind"] = "shared drafted" if drafted else "shared plain"
         return observe(self, streams, drafted, tokens, ms, catch_up)
+
+    def lone_observe(self, stream, band, drafted, tokens, ms):
+        seen["kind"] = "lone drafted" if drafted else "lone plain"
+        return lone(self, stream, band, drafted, tokens, ms)
 
     def logged_verdict(self, entry):
         verdict(self, entry)
@@ -39,7 +58,24 @@ def traced_guard(log: list[str]) -> None:
         log.append(f"|{streams} streams: plain {rate(entry.rates[False])} drafted {rate(entry.rates[True])} -> "
                    f"{'drafted' if entry.drafted else 'plain'} {'run' if entry.running else 'measure'} {entry.run}|")
 
-    SharedGuard.observe, SharedGuard._next = logged_observe, logged_verdict
+    SharedGuard.observe, SharedGuard._next, KeyCompiled.get = logged_observe, logged_verdict, counted_get
+    LoneGuard.observe = lone_observe
+    return seen
+
+
+def tallied(round_, seen: dict, tally: dict):
+    """The engine's round, each call's wall time added to `tally` under the kind of round a guard saw in it (none:
+    a prompt chunk, an admission, a copy)."""
+
+    def timed():
+        seen["kind"] = None
+        start = time.perf_counter()
+        out = round_()
+        count, ms = tally.get(seen["kind"] or "other", (0, 0.0))
+        tally[seen["kind"] or "other"] = (count + 1, ms + (time.perf_counter() - start) * 1e3)
+        return out
+
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,16 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target, ServeOptions())
     drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
     model, log = target.model, []
-    traced_guard(log)
+    seen, tally = traced_guard(log), {}
     requests = lambda: [GenerationRequest(prompt_ids=target.tokenizer.encode(CODE_PROMPTS[i % len(CODE_PROMPTS)]),
                                           max_tokens=args.tokens, stop_token_ids=frozenset())
                         for i in range(args.streams)]
     plain = Engine(model, shared_rounds=target.row_invariant)
     served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
     served.time_rows(args.streams)  # as a server of that many slots primes its shared rounds' costs
+    served.round = tallied(served.round, seen, tally)
     for n in range(args.passes):  # the first pass builds every kernel and shape, and the guard's first verdicts
         plain_ids, plain_s = together(model, plain, requests())
         log.clear()
+        tally.clear()
         served_ids, served_s = together(model, served, requests())
         if served_ids != plain_ids:
             print(f"pass {n}: the served replies differ from the plain ones", file=sys.stderr)
@@ -82,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pass {n}: plain {tokens / plain_s:.1f} tok/s, served {tokens / served_s:.1f} tok/s "
               f"({plain_s / served_s:.2f}x)")
         print("  " + " ".join(log)[:args.width])
+        print("  rounds: " + ", ".join(f"{kind} {n} in {ms:.1f} ms" for kind, (n, ms) in sorted(tally.items())))
     return 0
 
 
