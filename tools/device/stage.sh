@@ -2,8 +2,8 @@
 # Stage a run on the remote H200 (the device tool's `run`): MLX's CUDA wheel in two halves, and the shipped weights
 # kept out of the upload while the halves travel, so that each call stays under its 64 MiB. docs/gpu.md says why.
 # Usage, from anywhere in the checkout:
-#   tools/device/stage.sh light   fetch the halves into .mlxa/ and .mlxb/ if missing, take the weights out of the
-#                                 upload, and print the run calls to make
+#   tools/device/stage.sh light   fetch the halves into .mlxa/ and .mlxb/ if missing, take the weights and the old
+#                                 receipts out of the upload, and print the run calls to make
 #   tools/device/stage.sh full    put the weights back (at once after the MLX calls: see below)
 #   tools/device/stage.sh weights the weights back, the receipts out instead (but the newest contract JSON, which
 #                                 run_on_h200.sh orders the contract by), and the DSpark drafters' dirs (no GPU step
@@ -29,6 +29,12 @@ limit=$((64 * 1024 * 1024))
 
 weights() {  # the shipped model folders
   git ls-files 'plugins/*/tensorfold_*/models/*' | cut -d/ -f1-4 | sort -u
+}
+
+old_receipts() {  # every receipt but the newest contract JSON, which run_on_h200.sh orders the contract by
+  local newest
+  newest=$(git ls-files 'contract/receipts/h200-*/contract*.json' | sort | tail -1)
+  git ls-files contract/receipts | grep -vxF "$newest" | grep -v '\.sh$'
 }
 
 git_index() {  # git "$@" on the index, waiting out another engineer's commit (its index.lock)
@@ -100,8 +106,11 @@ case "${1:-}" in
     unstage  # after `weights` the saved entries are the receipts': put them back before taking the weights out
     commit=$(git rev-parse --short HEAD)$([ -z "$(git status --porcelain -uno)" ] || echo +dirty)
     mapfile -t dirs < <(weights)
-    take_out "${dirs[@]}"
-    echo "Staged: MLX $(cat .mlxb/VERSION) in .mlxa/ and .mlxb/; the weights are out of the upload (and of git's index)."
+    # the old receipts too (4 MiB): with them out a call carrying half of MLX has room for a model dir or two
+    mapfile -t receipts < <(old_receipts)
+    take_out "${dirs[@]}" "${receipts[@]}"
+    echo "Staged: MLX $(cat .mlxb/VERSION) in .mlxa/ and .mlxb/; the weights and old receipts are out of the upload"
+    echo "(and of git's index)."
     sizes
     cat <<MSG
 
@@ -116,12 +125,12 @@ MSG
     ;;
   weights)
     unstage
-    newest=$(git ls-files 'contract/receipts/h200-*/contract*.json' | sort | tail -1)
-    mapfile -t receipts < <(git ls-files contract/receipts | grep -vxF "$newest" | grep -v '\.sh$')
+    mapfile -t receipts < <(old_receipts)
     # no GPU step reads a shipped DSpark drafter (the exactness script builds its own): a call that does carries it
     mapfile -t drafters < <(weights | grep '^plugins/tensorfold_dspark/')
     take_out "${receipts[@]}" "${drafters[@]}"
-    echo "The weights travel again (but the DSpark drafters': carry a dir a call needs); the receipts (but $newest)"
+    echo "The weights travel again (but the DSpark drafters': carry a dir a call needs); the receipts (but the newest"
+    echo "contract JSON)"
     echo "are out of the upload until stage.sh full."
     echo "Commits wait for stage.sh full (a commit now would delete the receipts)."
     sizes
