@@ -6,7 +6,7 @@ Each pass decodes the same N code prompts at once on a plain engine, then on the
 pass, as a server keeps one), checks the served replies equal the plain ones, and prints both rates with the
 guard's log: `p8/5.1` a plain round of 8 streams that committed 8 tokens in 5.1 ms, `D37/8.9` a drafted one, `*` a
 round in the mode the guard did not ask for, `+` one during which a compiled trace was made, `~` one that ran a
-forward from Python for a key met too few times to trace, and each verdict between bars (each mode's rate in tokens a ms, the
+forward from Python for a key met too few times to trace, `@5` the stream count from that round on, and each verdict between bars (each mode's rate in tokens a ms, the
 mode it runs next, and for how many rounds). Drafted rounds far slower than their neighbours are what a measure of
 four rounds can pick plain on, and a plain verdict runs 512 rounds. Run it through `run_on_h200.sh exec`, with
 MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=0: contract/receipts/h200-2026-12-05d/).
@@ -41,8 +41,9 @@ def traced_guard(log: list[str]) -> dict:
         unasked = "*" if drafted != self._band(streams).drafted else ""
         now = (traces.count(), seen["untraced"])
         marks = ("+" if now[0] != seen["at"][0] else "") + ("~" if now[1] != seen["at"][1] else "")
-        seen["at"] = now
-        log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}{marks}")
+        count = f"@{streams}" if streams != seen.get("streams") else ""
+        seen["at"], seen["streams"] = now, streams
+        log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}{marks}{count}")
         seen["kind"] = "shared drafted" if drafted else "shared plain"
         return observe(self, streams, drafted, tokens, ms, catch_up)
 
@@ -95,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--width", type=int, default=2500, help="characters of each pass's log printed")
+    parser.add_argument("--whole-stretch", action="store_true",
+                        help="a drafted run's check reads only its whole decayed stretch, not its last rounds too")
     args = parser.parse_args(argv)
+    if args.whole_stretch:  # a stretch's recent rate then equals its rate: the shared guard before RECENT_HALF_LIFE
+        from tensorfold_core.lanes import guards
+
+        guards._Stretch._recent_decay = guards._Stretch._decay
 
     target = load_target(args.target, ServeOptions())
     drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_ids, plain_s = together(model, plain, requests())
         log.clear()
         tally.clear()
+        seen["streams"] = None
         served_ids, served_s = together(model, served, requests())
         if served_ids != plain_ids:
             print(f"pass {n}: the served replies differ from the plain ones", file=sys.stderr)
