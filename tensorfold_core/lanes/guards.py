@@ -11,9 +11,11 @@ from .. import traces
 from ..protocols import DEPTH_RULE, DrafterFacts
 from .grants import GrantLane, Held, fit_one_pass, grants
 from .holds import HoldOffer, keep_holds
-from .aside import StandAside
 from .pricing import PRIOR_ACCEPTANCE, Acceptance, Costs, lone_depth, shared_depths
 
+FIRST_GAP = 64  # plain rounds a stream stands aside before its first probe
+MAX_GAP = 1024  # the most plain rounds between two probes of a stream standing aside
+LOOK_AHEAD_ROUNDS = 1  # plain rounds an armed probe may see before its drafts reach a window
 MARGIN = 1.05  # drafted rounds must beat plain ones by this factor to be kept
 SHARED_MEASURE_PLAIN = 16  # measured rounds that give a band of stream counts its plain rate
 SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a band of stream counts its drafted rate
@@ -30,20 +32,16 @@ PROBE_SHARE = 0.03  # the most a probe may cost, as a share of the plain time be
 PROBE_CATCH_UP = 32  # context rows a probe's drafter may catch up: what a probe costs must not grow with its gap
 PRIOR_HALF_LIFE = 64.0  # drafter windows, over all streams, after which one weighs half in a new stream's prior
 STRETCH_HALF_LIFE = 64.0  # rounds after which a round weighs half in a stretch's rate
-# rounds after which a round weighs half in a stretch's recent rate: what a drafted run's check reads, so a run that
-# won while its band held some streams stops soon after the streams left in it stop paying (a pass's tail)
-RECENT_HALF_LIFE = 8.0
 
 
 class _Stretch:
     """Committed tokens and wall ms over a stretch of rounds, decayed so a long stretch tells its recent rate."""
 
-    __slots__ = ("tokens", "ms", "weight", "measured", "rounds", "recent_tokens", "recent_ms")
+    __slots__ = ("tokens", "ms", "weight", "measured", "rounds")
     _decay = 0.5 ** (1.0 / STRETCH_HALF_LIFE)
-    _recent_decay = 0.5 ** (1.0 / RECENT_HALF_LIFE)
 
     def __init__(self):
-        self.tokens = self.ms = self.weight = self.recent_tokens = self.recent_ms = 0.0
+        self.tokens = self.ms = self.weight = 0.0
         self.measured = 0  # rounds measured
         self.rounds = 0  # rounds run, the unmeasured first one included
 
@@ -51,8 +49,6 @@ class _Stretch:
         self.tokens = self.tokens * self._decay + tokens
         self.ms = self.ms * self._decay + ms
         self.weight = self.weight * self._decay + 1.0
-        self.recent_tokens = self.recent_tokens * self._recent_decay + tokens
-        self.recent_ms = self.recent_ms * self._recent_decay + ms
         self.measured += 1
 
     @property
@@ -61,14 +57,50 @@ class _Stretch:
         return self.tokens / self.ms if self.ms > 0 else math.inf
 
     @property
-    def recent_rate(self) -> float:
-        """Committed tokens per wall ms of the last rounds (RECENT_HALF_LIFE)."""
-        return self.recent_tokens / self.recent_ms if self.recent_ms > 0 else math.inf
-
-    @property
     def round_ms(self) -> float:
         """Wall ms of a measured round."""
         return self.ms / self.weight if self.weight else 0.0
+
+
+class StandAside:
+    """One stream's stand-aside: plain rounds while its drafts cost more than they land, then ever rarer probes."""
+
+    def __init__(self, first_gap: int = FIRST_GAP, max_gap: int = MAX_GAP):
+        self.first_gap, self.max_gap = first_gap, max_gap
+        self.gap = first_gap  # plain rounds to stand aside before the next probe
+        self.count = 0  # plain rounds stood aside since the last probe
+        self.probing = False  # a probe is armed: the stream drafts until a round verifies its drafts
+        self._armed_plain = 0  # plain rounds since the probe armed
+        self._aside = False  # the last depth asked stood the stream aside
+
+    def probes(self, priced: int) -> bool:
+        """Whether `depth(priced, probe)` gives the probe's depth: a probe is armed, or arms now."""
+        return priced <= 0 and (self.probing or self.count >= self.gap)
+
+    def depth(self, priced: int, probe: int) -> int:
+        """This round's depth: `priced` when drafting pays, `probe` while a probe is armed, else 0 (aside)."""
+        self._aside = False
+        if priced > 0:
+            if not self.probing:  # its drafts pay again: a later stand-aside starts from the first gap
+                self.count, self.gap = 0, self.first_gap
+            return priced
+        if not self.probing and self.count >= self.gap:
+            self.probing, self._armed_plain = True, 0
+        if self.probing:
+            return probe
+        self._aside = True
+        return 0
+
+    def round(self, verified: int) -> None:
+        """After the round: `verified` drafts of this stream's window met the target's draws."""
+        if self.probing:
+            # the look-ahead's plain round is allowed; a second one means the drafts were cut: stop paying for them
+            if verified > 0 or self._armed_plain >= LOOK_AHEAD_ROUNDS:
+                self.probing, self.count, self.gap = False, 0, min(self.gap * 2, self.max_gap)
+            else:
+                self._armed_plain += 1
+        elif self._aside:
+            self.count += 1
 
 
 class _CountBand:
@@ -145,18 +177,14 @@ class SharedGuard:
 
     @staticmethod
     def _losing(entry: _CountBand) -> bool:
-        """A drafted run whose own rate, over enough rounds, or over its last rounds, is below the plain rate it was
-        chosen against."""
+        """A drafted run whose own rate, over enough rounds, is below the plain rate it was chosen against."""
         plain = entry.rates[False]
         return (entry.drafted and plain is not None and entry.stretch.measured >= SHARED_RUN_CHECK
-                and min(entry.stretch.rate, entry.stretch.recent_rate) < plain)
+                and entry.stretch.rate < plain)
 
     def _next(self, entry: _CountBand) -> None:
         if entry.stretch.measured:
-            # drafting is judged by its worse reading, so a run stopped by its last rounds is not chosen again at once
-            # on the rounds before them (the law: drafts only help)
-            stretch = entry.stretch
-            entry.rates[entry.drafted] = min(stretch.rate, stretch.recent_rate) if entry.drafted else stretch.rate
+            entry.rates[entry.drafted] = entry.stretch.rate
         other = not entry.drafted
         if entry.running or entry.rates[other] is None:  # measure the other mode (again)
             self._set(entry, other, running=False)
