@@ -96,13 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--width", type=int, default=2500, help="characters of each pass's log printed")
-    parser.add_argument("--whole-stretch", action="store_true",
-                        help="a drafted run's check reads only its whole decayed stretch, not its last rounds too")
     args = parser.parse_args(argv)
-    if args.whole_stretch:  # a stretch's recent rate then equals its rate: the shared guard before RECENT_HALF_LIFE
-        from tensorfold_core.lanes import guards
-
-        guards._Stretch._recent_decay = guards._Stretch._decay
 
     target = load_target(args.target, ServeOptions())
     drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
