@@ -64,16 +64,21 @@ def traced_guard(log: list[str]) -> dict:
     return seen
 
 
-def tallied(round_, seen: dict, tally: dict):
-    """The engine's round, each call's wall time added to `tally` under the kind of round a guard saw in it (none:
-    a prompt chunk, an admission, a copy)."""
+def tallied(engine, seen: dict, tally: dict):
+    """The engine's round, each call's wall time added to `tally` under "prompt" where a stream was prefilling at
+    its start, "traced" where a compiled trace was made in it, else the kind of round a guard saw in it (none:
+    "other", e.g. drafted rounds that offered no drafts)."""
+    from tensorfold_core import traces
+
+    round_ = engine.round
 
     def timed():
-        seen["kind"] = None
+        prompt, traced, seen["kind"] = any(s.prefilling for s in engine.streams.values()), traces.count(), None
         start = time.perf_counter()
         out = round_()
-        count, ms = tally.get(seen["kind"] or "other", (0, 0.0))
-        tally[seen["kind"] or "other"] = (count + 1, ms + (time.perf_counter() - start) * 1e3)
+        kind = "prompt" if prompt else "traced" if traces.count() != traced else seen["kind"] or "other"
+        count, ms = tally.get(kind, (0, 0.0))
+        tally[kind] = (count + 1, ms + (time.perf_counter() - start) * 1e3)
         return out
 
     return timed
@@ -108,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     plain = Engine(model, shared_rounds=target.row_invariant)
     served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
     served.time_rows(args.streams)  # as a server of that many slots primes its shared rounds' costs
-    served.round = tallied(served.round, seen, tally)
+    plain_tally = {}
+    plain.round, served.round = tallied(plain, seen, plain_tally), tallied(served, seen, tally)
     for n in range(args.passes):  # the first pass builds every kernel and shape, and the guard's first verdicts
+        plain_tally.clear()
         plain_ids, plain_s = together(model, plain, requests())
         log.clear()
         tally.clear()
@@ -122,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pass {n}: plain {tokens / plain_s:.1f} tok/s, served {tokens / served_s:.1f} tok/s "
               f"({plain_s / served_s:.2f}x)")
         print("  " + " ".join(log)[:args.width])
-        print("  rounds: " + ", ".join(f"{kind} {n} in {ms:.1f} ms" for kind, (n, ms) in sorted(tally.items())))
+        for name, counts in (("plain", plain_tally), ("served", tally)):
+            kinds = sorted(counts.items())
+            print(f"  {name} rounds: " + ", ".join(f"{kind} {n} in {ms:.1f} ms" for kind, (n, ms) in kinds))
     return 0
 
 
