@@ -26,7 +26,7 @@ def traced_guard(log: list[str]) -> dict:
     """Log every round the shared guard observes and every verdict it reaches into `log`; the returned dict's "kind"
     names the last round a guard observed (shared drafted, shared plain or lone)."""
     from tensorfold_core import traces
-    from tensorfold_core.lanes.guards import LoneGuard, SharedGuard
+    from tensorfold_core.lanes.guards import DraftPlanner, LoneGuard, SharedGuard
     from tensorfold_core.row_kernels.modules import KeyCompiled
 
     observe, verdict, get, lone = SharedGuard.observe, SharedGuard._next, KeyCompiled.get, LoneGuard.observe
@@ -61,7 +61,27 @@ def traced_guard(log: list[str]) -> dict:
 
     SharedGuard.observe, SharedGuard._next, KeyCompiled.get = logged_observe, logged_verdict, counted_get
     LoneGuard.observe = lone_observe
+    seen["phases"] = []
+    timed_round = DraftPlanner._time
+
+    def phased(self, done, verified, end):
+        caught = done.caught_up if done.caught_up is not None else done.planned
+        marks = [done.start, done.planned, caught, done.proposed if done.proposed is not None else caught, end]
+        if None not in marks:
+            seen["phases"].append([b - a for a, b in zip(marks, marks[1:])])
+        return timed_round(self, done, verified, end)
+
+    DraftPlanner._time = phased
     return seen
+
+
+def phase_line(phases: list[list[float]], first: int = 8) -> str:
+    """The first rounds' phases and every later round's over twice the median: total=plan/catch-up/chain/rest ms."""
+    if not phases:
+        return "-"
+    median = sorted(map(sum, phases))[len(phases) // 2]
+    picked = [(i, p) for i, p in enumerate(phases) if i < first or sum(p) > 2 * median]
+    return " ".join(f"#{i}:{sum(p):.1f}=" + "/".join(f"{x:.1f}" for x in p) for i, p in picked)
 
 
 def tallied(engine, seen: dict, tally: dict):
@@ -120,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_ids, plain_s = together(model, plain, requests())
         log.clear()
         tally.clear()
+        seen["phases"].clear()
         seen["streams"] = None
         served_ids, served_s = together(model, served, requests())
         if served_ids != plain_ids:
@@ -132,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, counts in (("plain", plain_tally), ("served", tally)):
             kinds = sorted(counts.items())
             print(f"  {name} rounds: " + ", ".join(f"{kind} {n} in {ms:.1f} ms" for kind, (n, ms) in kinds))
+        print(f"  served round phases (#round:total=plan/catch-up/chain/rest ms): {phase_line(seen['phases'])}")
     return 0
 
 
