@@ -49,12 +49,16 @@ def test_the_guard_trace_logs_each_measured_round_and_the_verdict_that_follows_t
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines[::4]] == ["pass 0", "pass 1"]
+    assert [line.split(":")[0] for line in lines[::5]] == ["pass 0", "pass 1"]
     # each pass's rounds tallied by kind: the prompts' chunks in both engines, the served one's plain measure
     tally = [{kind.strip(): int(n) for kind, n in re.findall(r"([a-z ]+) (\d+) in [\d.]+ ms", line.split(":")[1])}
              for line in lines[2:4]]
     assert lines[2].startswith("  plain rounds:") and lines[3].startswith("  served rounds:")
     assert tally[0]["prompt"] >= 1 and tally[1]["prompt"] >= 1 and tally[1]["shared plain"] >= 16
+    # and the served rounds' phases: the first 8, each total the sum of its four parts
+    phases = re.findall(r"#(\d+):([\d.]+)=([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+)", lines[4])
+    assert [int(p[0]) for p in phases[:8]] == list(range(8))
+    assert all(abs(float(p[1]) - sum(map(float, p[2:]))) < 0.3 for p in phases)
     first = lines[1].split()
     # the guard measures 16 plain rounds of the 2-stream band (the first of them uncounted), then says what runs next
     assert all(word.startswith("p2/") for word in first[:17])
