@@ -260,8 +260,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     hold), `:l2-256` and `:l2-128` have the bf16 GEMVs' 16-byte loads ask L2 for 256 or 128 bytes,
     TENSORFOLD_GEMV_LOAD, and `:maxt2` has the bf16 GEMVs repeat 16-row blocks past 16 rows instead of reading
     the weights once for 32, TENSORFOLD_GEMV_MAXT=2, and `:conv-spans` keys lfm2's whole forward by every stream's
-    window size, not only by its rows, TENSORFOLD_WHOLE_CONV_SPANS=1, and `:unpadded` runs it at every row count
-    instead of padded to a multiple of 8, TENSORFOLD_WHOLE_PAD_ROWS=0, and `:trace-first` traces a whole forward's
+    window size, not only by its rows, TENSORFOLD_WHOLE_CONV_SPANS=1, and `:unpadded` runs either family's whole
+    forward at every row count instead of padded to a multiple of 8, TENSORFOLD_WHOLE_PAD_ROWS=0, and `:trace-first` traces a whole forward's
     key at its first meeting, not its second, TENSORFOLD_WHOLE_TRACE_AFTER=0): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
