@@ -222,7 +222,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "ops-5": {"MLX_MAX_OPS_PER_BUFFER": "5"}, "ops-20": {"MLX_MAX_OPS_PER_BUFFER": "20"},
             "graphs-off": {"MLX_USE_CUDA_GRAPHS": "0"}, "maxt2": {"TENSORFOLD_GEMV_MAXT": "2"},
             "conv-spans": {"TENSORFOLD_WHOLE_CONV_SPANS": "1"}, "unpadded": {"TENSORFOLD_WHOLE_PAD_ROWS": "0"},
-            "trace-first": {"TENSORFOLD_WHOLE_TRACE_AFTER": "0"}}
+            "trace-first": {"TENSORFOLD_WHOLE_TRACE_AFTER": "0"},
+            "lazy-catch-up": {"TENSORFOLD_DSPARK_LAZY_CATCH_UP": "1"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -261,8 +262,10 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     TENSORFOLD_GEMV_LOAD, and `:maxt2` has the bf16 GEMVs repeat 16-row blocks past 16 rows instead of reading
     the weights once for 32, TENSORFOLD_GEMV_MAXT=2, and `:conv-spans` keys lfm2's whole forward by every stream's
     window size, not only by its rows, TENSORFOLD_WHOLE_CONV_SPANS=1, and `:unpadded` runs either family's whole
-    forward at every row count instead of padded to a multiple of 8, TENSORFOLD_WHOLE_PAD_ROWS=0, and `:trace-first` traces a whole forward's
-    key at its first meeting, not its second, TENSORFOLD_WHOLE_TRACE_AFTER=0): the JSON its last line prints."""
+    forward at every row count instead of padded to a multiple of 8, TENSORFOLD_WHOLE_PAD_ROWS=0, and `:trace-first`
+    traces a whole forward's key at its first meeting, not its second, TENSORFOLD_WHOLE_TRACE_AFTER=0, and
+    `:lazy-catch-up` leaves a held DSpark drafter's catch-up to its hold's async eval,
+    TENSORFOLD_DSPARK_LAZY_CATCH_UP=1): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

@@ -6,10 +6,13 @@ Each pass decodes the same N code prompts at once on a plain engine, then on the
 pass, as a server keeps one), checks the served replies equal the plain ones, and prints both rates with the
 guard's log: `p8/5.1` a plain round of 8 streams that committed 8 tokens in 5.1 ms, `D37/8.9` a drafted one, `*` a
 round in the mode the guard did not ask for, `+` one during which a compiled trace was made, `~` one that ran a
-forward from Python for a key met too few times to trace, `@5` the stream count from that round on, and each verdict between bars (each mode's rate in tokens a ms, the
-mode it runs next, and for how many rounds). Drafted rounds far slower than their neighbours are what a measure of
-four rounds can pick plain on, and a plain verdict runs 512 rounds. Run it through `run_on_h200.sh exec`, with
-MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=0: contract/receipts/h200-2026-12-05d/).
+forward from Python for a key met too few times to trace, `@5` the stream count from that round on, and each
+verdict between bars (each mode's rate in tokens a ms, the mode it runs next, and for how many rounds). Then each
+engine's rounds tallied by kind (prompt chunks, traced, each guard's modes) and the served rounds' phases (plan,
+catch-up, chain, the rest) for the pass's first rounds and its slow ones. Drafted rounds far slower than their
+neighbours are what a measure of four rounds can pick plain on, and a plain verdict runs 512 rounds. Run it through
+`run_on_h200.sh exec`, with MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=0:
+contract/receipts/h200-2026-12-05d/).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 import traceback
 from typing import Sequence, cast
@@ -32,6 +33,9 @@ SLACK = 1  # drafts a hold adds past a full grant, and a probe's hold after a gr
 # every layer's k/v as 8-bit matmuls: a 1,800-token prompt took 0.8 s on the fast CPU configuration, 50 plain rounds)
 HOLD_CATCH_UP = 256
 TIMING_REPEATS = 3  # each warm-up hold pass is timed this many times and its best kept (a preempted one reads long)
+# "1": where holds stay on the device, a catch-up's absorb is left to the hold's async eval instead of waited on (a
+# measurement: bench variant `:lazy-catch-up`; the wait cost 4-12 ms a stream back from standing aside on an H100)
+LAZY_CATCH_UP_ENV = "TENSORFOLD_DSPARK_LAZY_CATCH_UP"
 
 
 # ---- admission: which checkpoints, which target, which width (core has checked the tokenizer) ----
@@ -101,6 +105,7 @@ class DSparkDrafter:
                       if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
         if held_on_target_wanted():
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
+        self.lazy_catch_up = os.environ.get(LAZY_CATCH_UP_ENV, "0") == "1"
         # the hold's Markov step, and what serves each of the drafter's ops here (ops.py's table)
         self.pick, self.kernels = serve_kernels(model)
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
@@ -188,7 +193,8 @@ class DSparkDrafter:
         lagging = [(lane, bound) for _, lane, _, bound in work if lane.pending_rows() > CATCH_UP_ROWS]
         try:
             rows = self._absorb(lagging)
-            mx.eval([a for lane, _ in lagging for a in lane.keys + lane.values])
+            if not (self.lazy_catch_up and self.facts.held_on_target):
+                mx.eval([a for lane, _ in lagging for a in lane.keys + lane.values])
         except Exception:
             self._drop([lane for lane, _ in lagging])
             raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import llguidance
+import mlx.core as mx
 import pytest
 
 from tensorfold_core.lanes.constraints import Grammar
@@ -104,3 +105,56 @@ def test_held_drafts_are_off_on_the_cpu_by_default_and_the_knob_decides_either_w
     monkeypatch.setenv(HELD_ENV, "yes")
     with pytest.raises(DrafterError, match="TENSORFOLD_HELD_ON_TARGET='yes'"):
         held_on_target_wanted()
+
+
+class CountedEvals:
+    """mlx.core with its `eval` calls counted: what a module under test waits on."""
+
+    def __init__(self):
+        self.evals = 0
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *arrays):
+        self.evals += 1
+        return mx.eval(*arrays)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_lazy_catch_up_leaves_a_prompts_absorb_to_the_hold_where_holds_stay_on_the_device(held_pair, monkeypatch,
+                                                                                             lazy):
+    import tensorfold_dspark.drafter as drafter_module
+
+    target, drafter = held_pair
+    monkeypatch.setattr(drafter, "lazy_catch_up", lazy)
+    counted = CountedEvals()
+    monkeypatch.setattr(drafter_module, "mx", counted)
+    cache = target.model.new_cache(96)
+    # a prompt no kept lane shares a prefix with, longer than a round's rows: caught up before the chain
+    prompt = target.tokenizer.encode(f"{'lazy' if lazy else 'eager'} = True\nsquares = [x * x for x in range(10)]\nprint(sum(squares))\n")
+    assert len(prompt) > drafter_module.CATCH_UP_ROWS
+    target.model.forward([cache], [prompt], [0])
+    target.model.keep(cache, len(prompt))
+    ask = DraftAsk(92, prompt + [prompt[-1]], 4, limit=96, cache=cache)
+    try:
+        assert drafter.catch_up([ask]) == len(prompt)
+        assert counted.evals == (0 if lazy else 1)  # lazy: nothing waited on until the hold's own async eval
+        (drafts,) = drafter.propose([ask])
+        assert isinstance(drafts, HeldDrafts) and len(drafts.read()) == 4
+    finally:
+        drafter.release(92)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_replies_with_a_lazy_catch_up_equal_plain_decoding(held_pair, plain, monkeypatch, seeded):
+    from tensorfold_dspark.drafter import LAZY_CATCH_UP_ENV
+
+    target, drafter = held_pair
+    monkeypatch.setenv(LAZY_CATCH_UP_ENV, "1")
+    lazy = start_drafter(NAME, target.model, target.tokenizer)
+    try:
+        assert lazy.lazy_catch_up and not drafter.lazy_catch_up  # read at start; off by default
+        assert drive(target.model, lazy, requests(target, seeded), 4) == plain[seeded]
+    finally:
+        lazy.close()
