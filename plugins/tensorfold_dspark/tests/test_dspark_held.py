@@ -132,7 +132,8 @@ def test_a_lazy_catch_up_leaves_a_prompts_absorb_to_the_hold_where_holds_stay_on
     monkeypatch.setattr(drafter_module, "mx", counted)
     cache = target.model.new_cache(96)
     # a prompt no kept lane shares a prefix with, longer than a round's rows: caught up before the chain
-    prompt = target.tokenizer.encode(f"{'lazy' if lazy else 'eager'} = True\nsquares = [x * x for x in range(10)]\nprint(sum(squares))\n")
+    text = f"{'lazy' if lazy else 'eager'} = True\nsquares = [x * x for x in range(10)]\nprint(sum(squares))\n"
+    prompt = target.tokenizer.encode(text)
     assert len(prompt) > drafter_module.CATCH_UP_ROWS
     target.model.forward([cache], [prompt], [0])
     target.model.keep(cache, len(prompt))
