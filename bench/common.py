@@ -308,18 +308,24 @@ def fail_if_any(failures: list[BenchMismatch]) -> None:
 def interleaved(modes: list[str], rounds: int, run) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """`run(mode)` for every mode, `rounds` times, each round starting one mode later; a mode whose run fails (a
     launch the device refuses) is left out of every later round and named with why (a FAIL line), and the others go
-    on, so that one call to the device still brings back their figures. None running is a failure of its own."""
+    on, so that one call to the device still brings back their figures. None running is a failure of its own. Each
+    run's end is noted on stderr (no figures: those wait for every check), so a run cut at its cap says how far it
+    got."""
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     failed: dict[str, str] = {}
     for n in range(rounds):
         for mode in modes[n % len(modes):] + modes[:n % len(modes)]:
             if mode in failed:
                 continue
+            start = time.perf_counter()
             try:
                 runs[mode].append(run(mode))
             except BenchMismatch as exc:
                 failed[mode] = str(exc)
                 print(f"FAIL {exc}; no speed quoted for it", file=sys.stderr)
+                continue
+            print(f"ran {mode}, round {n + 1} of {rounds}, in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+                  flush=True)
     if len(failed) == len(modes):
         raise BenchMismatch("no mode ran")
     return {mode: r for mode, r in runs.items() if mode not in failed}, failed

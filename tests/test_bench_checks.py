@@ -265,7 +265,7 @@ def test_the_gpu_pair_bench_refuses_a_mode_named_twice():
     assert done.returncode != 0 and "use --rounds" in done.stderr
 
 
-def test_a_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every_round():
+def test_a_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every_round(capsys):
     from common import interleaved
 
     calls = []
@@ -281,6 +281,9 @@ def test_a_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every
     assert list(failed) == ["table:w32"] and "too many resources" in failed["table:w32"]
     assert calls.count("table:w32") == 1  # never retried
     assert calls[:3] == ["table", "table:w32", "table:u1"] and calls[3:5] == ["table:u1", "table"]  # rounds rotate
+    # each run that ended is noted as it ends, with no figures, so a run cut at its cap shows how far it got
+    noted = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ran ")]
+    assert len(noted) == 6 and noted[0].startswith("ran table, round 1 of 3, in ") and noted[0].endswith(" s")
 
 
 def test_no_mode_running_fails_the_benchmark():
