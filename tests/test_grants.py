@@ -10,7 +10,8 @@ from tensorfold_core import hookimpl
 from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.lanes.grants import GrantLane, Held, fit_one_pass, grants
-from tensorfold_core.lanes.guards import FIRST_GAP, SHARED_MEASURE_PLAIN, Ask, DraftPlanner, Verified
+from tensorfold_core.lanes.aside import FIRST_GAP
+from tensorfold_core.lanes.guards import SHARED_MEASURE_PLAIN, Ask, DraftPlanner, Verified
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_model, start_drafter
 from tensorfold_core.plugins import Registry, new_plugin_manager

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from tensorfold_core import traces
-from tensorfold_core.lanes.guards import (FIRST_GAP, MAX_GAP, Ask, DraftPlanner, LoneGuard, SharedGuard,
-                                          StandAside, Verified)
+from tensorfold_core.lanes.aside import FIRST_GAP, MAX_GAP, StandAside
+from tensorfold_core.lanes.guards import Ask, DraftPlanner, LoneGuard, SharedGuard, Verified
 
 PROBE = 3
 
@@ -238,6 +238,20 @@ def test_a_lone_stream_keeps_drafting_while_its_stretches_beat_plain_by_5_percen
     # its first drafted stretch meets a band with no plain rate yet: one plain stretch is taken to compare
     assert runs(run_lone(guard, 17 + 17 + 500)) == [(True, 17), (False, 17), (True, 500)]
     assert not guard.losing(BAND)
+
+
+def test_a_winning_band_reads_its_plain_rate_again_after_1024_drafted_rounds_and_then_twice_as_long():
+    guard = LoneGuard()
+    # its plain rate read once in slow rounds (a cold start): 0.05 tokens a ms, drafting's 0.15 beats it
+    spans = runs(run_lone(guard, 3200, plain=(1, 20.0)))
+    assert [mode for mode, _ in spans[:6]] == [True, False, True, False, True, False] and spans[3][1] == 16
+    # the first drafted stretch, judged once plain was read, counts too; judged every 16 rounds, so up to 16 past
+    assert 1024 <= 17 + spans[2][1] < 1024 + 17 and 2048 <= spans[4][1] < 2048 + 17
+    # plain rounds now run at 0.2 tokens a ms: the next read finds it, and drafting's next stretch loses to it
+    guard = LoneGuard()
+    first = runs(run_lone(guard, 17 + 17 + 900, plain=(1, 20.0)))[2][1]
+    spans = runs(run_lone(guard, 1024 - 17 - first + 16 + 16 + 17 + 16, plain=(2, 10.0)))
+    assert [mode for mode, _ in spans][:4] == [True, False, True, False] and spans[1][1] == 16 and guard.losing(BAND)
 
 
 def test_a_lone_stream_whose_stretch_loses_runs_16_plain_rounds_then_measures_drafting_again():

@@ -12,7 +12,8 @@ from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.hold_costs import HoldCosts
 from tensorfold_core.lanes.grants import Held
-from tensorfold_core.lanes.guards import FIRST_GAP, Ask, DraftPlanner, Verified
+from tensorfold_core.lanes.aside import FIRST_GAP
+from tensorfold_core.lanes.guards import Ask, DraftPlanner, Verified
 from tensorfold_core.lanes.holds import HoldOffer, keep_holds
 from tensorfold_core.lanes.pricing import Costs
 from tensorfold_core.loading import load_model, start_drafter

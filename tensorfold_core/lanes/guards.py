@@ -11,11 +11,9 @@ from .. import traces
 from ..protocols import DEPTH_RULE, DrafterFacts
 from .grants import GrantLane, Held, fit_one_pass, grants
 from .holds import HoldOffer, keep_holds
+from .aside import StandAside
 from .pricing import PRIOR_ACCEPTANCE, Acceptance, Costs, lone_depth, shared_depths
 
-FIRST_GAP = 64  # plain rounds a stream stands aside before its first probe
-MAX_GAP = 1024  # the most plain rounds between two probes of a stream standing aside
-LOOK_AHEAD_ROUNDS = 1  # plain rounds an armed probe may see before its drafts reach a window
 MARGIN = 1.05  # drafted rounds must beat plain ones by this factor to be kept
 SHARED_MEASURE_PLAIN = 16  # measured rounds that give a band of stream counts its plain rate
 SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a band of stream counts its drafted rate
@@ -28,6 +26,9 @@ LONE_STRETCH = 16  # measured rounds in a lone stream's drafted stretch (and in 
 LONE_FIRST_WAIT = 16  # plain rounds after a lost stretch before drafting is measured again
 LONE_MAX_WAIT = 512  # the most that wait doubles to while plain keeps winning
 LONE_LOSSES_PRICED = 2  # lost stretches in a row after which the wait also bounds what a probe costs
+# drafted rounds a winning band runs before its plain rate is measured again (doubling up to 64 times): a rate read
+# once, in a cold start's slow rounds, would otherwise judge every later stretch of the band's drafting
+LONE_PLAIN_REFRESH = 1024
 PROBE_SHARE = 0.03  # the most a probe may cost, as a share of the plain time before it
 PROBE_CATCH_UP = 32  # context rows a probe's drafter may catch up: what a probe costs must not grow with its gap
 PRIOR_HALF_LIFE = 64.0  # drafter windows, over all streams, after which one weighs half in a new stream's prior
@@ -60,47 +61,6 @@ class _Stretch:
     def round_ms(self) -> float:
         """Wall ms of a measured round."""
         return self.ms / self.weight if self.weight else 0.0
-
-
-class StandAside:
-    """One stream's stand-aside: plain rounds while its drafts cost more than they land, then ever rarer probes."""
-
-    def __init__(self, first_gap: int = FIRST_GAP, max_gap: int = MAX_GAP):
-        self.first_gap, self.max_gap = first_gap, max_gap
-        self.gap = first_gap  # plain rounds to stand aside before the next probe
-        self.count = 0  # plain rounds stood aside since the last probe
-        self.probing = False  # a probe is armed: the stream drafts until a round verifies its drafts
-        self._armed_plain = 0  # plain rounds since the probe armed
-        self._aside = False  # the last depth asked stood the stream aside
-
-    def probes(self, priced: int) -> bool:
-        """Whether `depth(priced, probe)` gives the probe's depth: a probe is armed, or arms now."""
-        return priced <= 0 and (self.probing or self.count >= self.gap)
-
-    def depth(self, priced: int, probe: int) -> int:
-        """This round's depth: `priced` when drafting pays, `probe` while a probe is armed, else 0 (aside)."""
-        self._aside = False
-        if priced > 0:
-            if not self.probing:  # its drafts pay again: a later stand-aside starts from the first gap
-                self.count, self.gap = 0, self.first_gap
-            return priced
-        if not self.probing and self.count >= self.gap:
-            self.probing, self._armed_plain = True, 0
-        if self.probing:
-            return probe
-        self._aside = True
-        return 0
-
-    def round(self, verified: int) -> None:
-        """After the round: `verified` drafts of this stream's window met the target's draws."""
-        if self.probing:
-            # the look-ahead's plain round is allowed; a second one means the drafts were cut: stop paying for them
-            if verified > 0 or self._armed_plain >= LOOK_AHEAD_ROUNDS:
-                self.probing, self.count, self.gap = False, 0, min(self.gap * 2, self.max_gap)
-            else:
-                self._armed_plain += 1
-        elif self._aside:
-            self.count += 1
 
 
 class _CountBand:
@@ -207,6 +167,8 @@ class _Band:
     plain_round_ms: float = 0.0
     losses: int = 0  # drafted stretches lost in a row; above 0 it is the band's losing verdict
     wait: int = LONE_FIRST_WAIT
+    since_plain: int = 0  # drafted rounds judged against that plain rate
+    refresh: int = LONE_PLAIN_REFRESH
 
 
 class LoneGuard:
@@ -273,7 +235,7 @@ class LoneGuard:
                     self._judge(entry, stretch)
         elif (stretch.measured >= self.stretch_rounds if self._pending is not None else stretch.rounds >= entry.wait):
             if stretch.measured:
-                entry.plain, entry.plain_round_ms = stretch.rate, stretch.round_ms
+                entry.plain, entry.plain_round_ms, entry.since_plain = stretch.rate, stretch.round_ms, 0
             pending, self._pending = self._pending, None
             if pending is not None:
                 self._judge(entry, pending)
@@ -296,6 +258,11 @@ class LoneGuard:
         """A drafted stretch against the band's plain rate, on the stretch's own rate."""
         if stretch.rate > entry.plain * self.margin:
             entry.losses, entry.wait = 0, self.first_wait
+            entry.since_plain += stretch.rounds
+            if entry.since_plain >= entry.refresh:  # plain for a wait's rounds, its rate read again, then drafting
+                entry.refresh = min(entry.refresh * 2, LONE_PLAIN_REFRESH * 64)
+                self._set(False)
+                return
             self._set(True)
             return
         entry.losses += 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tensorfold_core.checkpoint import Checkpoint
-from tensorfold_core.lanes.guards import FIRST_GAP, PROBE_CATCH_UP
+from tensorfold_core.lanes.aside import FIRST_GAP
+from tensorfold_core.lanes.guards import PROBE_CATCH_UP
 from tensorfold_core.protocols import MAX_DRAFT_DEPTH
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.sampling import SamplingParams
