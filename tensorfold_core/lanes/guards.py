@@ -9,9 +9,9 @@ from typing import Callable, Hashable, Sequence
 
 from .. import traces
 from ..protocols import DEPTH_RULE, DrafterFacts
+from .aside import StandAside
 from .grants import GrantLane, Held, fit_one_pass, grants
 from .holds import HoldOffer, keep_holds
-from .aside import StandAside
 from .pricing import PRIOR_ACCEPTANCE, Acceptance, Costs, lone_depth, shared_depths
 
 MARGIN = 1.05  # drafted rounds must beat plain ones by this factor to be kept

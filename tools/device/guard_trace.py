@@ -26,14 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
 def traced_guard(log: list[str]) -> dict:
-    """Log every round the shared guard observes and every verdict it reaches into `log`; the returned dict's "kind"
-    names the last round a guard observed (shared drafted, shared plain or lone)."""
+    """Log every round the shared guard observes and every verdict it reaches into `log`. The returned dict follows
+    the served engine: "kind" the last round a guard observed (shared drafted, shared plain or lone), "phases" each
+    timed round's plan/catch-up/chain/rest ms, "streams" the last logged stream count."""
     from tensorfold_core import traces
     from tensorfold_core.lanes.guards import DraftPlanner, LoneGuard, SharedGuard
     from tensorfold_core.row_kernels.modules import KeyCompiled
 
     observe, verdict, get, lone = SharedGuard.observe, SharedGuard._next, KeyCompiled.get, LoneGuard.observe
-    seen = {"untraced": 0, "at": (traces.count(), 0), "kind": None}
+    seen = {"untraced": 0, "at": (traces.count(), 0), "kind": None, "streams": None, "phases": []}
 
     def counted_get(self, key, make):
         compiled = get(self, key, make)
@@ -44,7 +45,7 @@ def traced_guard(log: list[str]) -> dict:
         unasked = "*" if drafted != self._band(streams).drafted else ""
         now = (traces.count(), seen["untraced"])
         marks = ("+" if now[0] != seen["at"][0] else "") + ("~" if now[1] != seen["at"][1] else "")
-        count = f"@{streams}" if streams != seen.get("streams") else ""
+        count = f"@{streams}" if streams != seen["streams"] else ""
         seen["at"], seen["streams"] = now, streams
         log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}{marks}{count}")
         seen["kind"] = "shared drafted" if drafted else "shared plain"
@@ -64,7 +65,6 @@ def traced_guard(log: list[str]) -> dict:
 
     SharedGuard.observe, SharedGuard._next, KeyCompiled.get = logged_observe, logged_verdict, counted_get
     LoneGuard.observe = lone_observe
-    seen["phases"] = []
     timed_round = DraftPlanner._time
 
     def phased(self, done, verified, end):
