@@ -38,6 +38,8 @@ def test_the_decode_profile_prints_each_engine_s_rate_phases_and_profile_and_dum
     assert len(whole) == 4 and "function calls" in done.stdout
     # a served engine's plain and drafted rounds apart, each where it ran any
     assert set(kinds) <= {"plain rounds", "drafted rounds"} and 2 <= len(kinds) <= 4
+    # each served run names its lone guard's bands (the CPU's guard keeps none: its rounds are not timed)
+    assert sum(line.startswith("lone guard bands:") for line in lines) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1-plain.prof", "1-served.prof", "2-plain.prof",
                                                           "2-served.prof"]
 

@@ -15,6 +15,7 @@ and a round's phases timed unprofiled (planning, building forwards in step, queu
 `--depth N` profiles a drafted engine too (every window N drafts, no copies, as bench_gpu_pair's drafted cell), and
 planning splits into the drafter's chain, its catch-up, the copy lookups, the planner's prices and the rest, and
 the rest of the round into the read of the verify's rows (the wait for the device) and the host's work after it.
+After each served run, its lone guard's bands print (the plain rate each judges drafting against).
 With `--census`, the drafter's own step graph is counted beside the target's. (`round_time.py` times the same parts
 each alone and synced; these phases are as rounds run them, overlaps and all.)
 """
@@ -128,6 +129,18 @@ def phase_line(spent: Counter, total: float, rounds: int) -> str:
         + f"  (ms a round, {n} rounds)"
 
 
+def lone_bands(engine) -> str:
+    """The served engine's lone guard, band by band: the plain rate its drafted stretches are judged against, when
+    it was read, and the band's verdict (a stale plain rate read while shapes were still built lets drafting win)."""
+    lone = engine.planner.lone
+    lines = []
+    for (greedy, bits), entry in sorted(lone._bands.items()):
+        plain = "unread" if entry.plain is None else f"{entry.plain:.3f} tok/ms ({entry.plain_round_ms:.2f} ms a round)"
+        lines.append(f"  band {'greedy' if greedy else 'sampled'} ctx<2^{bits}: plain {plain}, {entry.since_plain} "
+                     f"drafted rounds since, refresh at {entry.refresh}, losses {entry.losses}, wait {entry.wait}")
+    return "\n".join(["lone guard bands:", *lines] if lines else ["lone guard bands: none"])
+
+
 def census(model, tokenizer, streams: int) -> Counter:
     """The primitives of one decode step's graph over `streams` streams (their prompts read first), by name."""
     import mlx.core as mx
@@ -213,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {streams} stream(s), {name}: {rate:.1f} tok/s unprofiled; {rounds} rounds, {ahead} run "
                   f"ahead, {drafted} windows drafted")
             print(phased(engine, lambda: together(model, engine, requests)))
+            if name == "served":
+                print(lone_bands(engine))
             dump = args.dump / f"{streams}-{name}.prof" if args.dump else None
             if dump is not None:
                 dump.parent.mkdir(parents=True, exist_ok=True)
