@@ -48,7 +48,10 @@ unstage() {
     git_index update-index --index-info < "$saved" && rm -f "$saved"
   fi
   [ -f "$exclude" ] || return 0
-  sed -i "/^$(printf '%s' "$begin" | sed 's/[][\/.*^$]/\\&/g')\$/,/^$(printf '%s' "$end" | sed 's/[][\/.*^$]/\\&/g')\$/d" "$exclude"
+  local first last
+  first=$(printf '%s' "$begin" | sed 's/[][\/.*^$]/\\&/g')
+  last=$(printf '%s' "$end" | sed 's/[][\/.*^$]/\\&/g')
+  sed -i "/^$first\$/,/^$last\$/d" "$exclude"
 }
 
 hook=.git/hooks/pre-commit
@@ -58,7 +61,8 @@ guard() {  # while the weights are out of git's index, a commit would delete the
 #!/usr/bin/env bash
 # tensorfold stage.sh guard
 if [ -f .git/tensorfold-stage-weights.index ]; then
-  echo "shipped weights or receipts are out of git's index (tools/device/stage.sh light or weights): a commit now would delete them;" >&2
+  echo "shipped weights or receipts are out of git's index (tools/device/stage.sh light or weights):" \
+    "a commit now would delete them;" >&2
   echo "run tools/device/stage.sh full first" >&2
   exit 1
 fi
@@ -91,7 +95,8 @@ sizes() {
   awk -v t="$tree" -v a="$a" -v b="$b" -v lim="$limit" 'BEGIN {
     split("call 1 (tree + .mlxa)|call 2 (tree + .mlxb)|a call with no carry", name, "|")
     n[1] = t + a; n[2] = t + b; n[3] = t
-    for (i = 1; i <= 3; i++) printf "  %-24s %6.1f MiB%s\n", name[i], n[i] / 1048576, (n[i] > lim ? "   OVER the 64 MiB limit" : "")
+    for (i = 1; i <= 3; i++)
+      printf "  %-24s %6.1f MiB%s\n", name[i], n[i] / 1048576, (n[i] > lim ? "   OVER the 64 MiB limit" : "")
   }'
 }
 
@@ -119,7 +124,8 @@ Then, back to back (the machine goes back 30 s after a call, and the first half 
          command="mkdir -p /root/mlxw && cp .mlxa/part.aa /root/mlxw/ && nvidia-smi -L")
   2. run(carry=[".mlxb"], timeout_s=120, command="bash .mlxb/install.sh && echo MLX installed")
   3. here: tools/device/stage.sh weights  (the weights are back in git's index and in the upload, the receipts out)
-  4. run(timeout_s=600, command="export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TF_COMMIT=$commit && bash contract/receipts/run_on_h200.sh contract")
+  4. run(timeout_s=600, command="export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TF_COMMIT=$commit \\
+         && bash contract/receipts/run_on_h200.sh contract")
 Each later call on the same warm machine starts with export PYTHONPATH=/tmp/site (MLX stays in /tmp/site).
 MSG
     ;;
