@@ -7,7 +7,7 @@ import pytest
 
 from tensorfold_core import traces
 from tensorfold_core.lanes.aside import FIRST_GAP, MAX_GAP, StandAside
-from tensorfold_core.lanes.guards import Ask, DraftPlanner, LoneGuard, SharedGuard, Verified
+from tensorfold_core.lanes.guards import LONE_PLAIN_SETTLE_ENV, Ask, DraftPlanner, LoneGuard, SharedGuard, Verified
 
 PROBE = 3
 
@@ -252,6 +252,25 @@ def test_a_winning_band_reads_its_plain_rate_again_after_1024_drafted_rounds_and
     first = runs(run_lone(guard, 17 + 17 + 900, plain=(1, 20.0)))[2][1]
     spans = runs(run_lone(guard, 1024 - 17 - first + 16 + 16 + 17 + 16, plain=(2, 10.0)))
     assert [mode for mode, _ in spans][:4] == [True, False, True, False] and spans[1][1] == 16 and guard.losing(BAND)
+
+
+def test_a_settled_plain_stretch_is_judged_on_its_rounds_run_ahead_not_the_slow_ones_before(monkeypatch):
+    def judged(settle):
+        monkeypatch.setenv(LONE_PLAIN_SETTLE_ENV, str(settle))
+        guard, modes, plain_rounds = LoneGuard(), [], 0
+        for _ in range(17 + 20 + 40):
+            mode = guard.drafted(1, BAND)
+            plain_rounds = 0 if mode else plain_rounds + 1
+            # a plain stretch's first 3 rounds wait on the device (nothing runs ahead yet): 1 token in 40 ms
+            tokens, ms = (5, 40.0) if mode else ((1, 40.0) if plain_rounds <= 3 else (1, 7.0))
+            guard.observe(1, BAND, mode, tokens, ms)
+            modes.append(mode)
+        return runs(modes), guard.losing(BAND)
+
+    # drafting (0.125 tokens a ms) beats plain measured with its 2 slow rounds (16 tokens in 178 ms)...
+    assert judged(1) == ([(True, 17), (False, 17), (True, 43)], False)
+    # ...and loses to plain's steady 0.143 when those are left out: the stretch and the wait plain, a probe lost
+    assert judged(4) == ([(True, 17), (False, 20 + 16), (True, 17), (False, 7)], True)
 
 
 def test_a_lone_stream_whose_stretch_loses_runs_16_plain_rounds_then_measures_drafting_again():

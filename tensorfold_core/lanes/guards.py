@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
@@ -29,6 +30,10 @@ LONE_LOSSES_PRICED = 2  # lost stretches in a row after which the wait also boun
 # drafted rounds a winning band runs before its plain rate is measured again (doubling up to 64 times): a rate read
 # once, in a cold start's slow rounds, would otherwise judge every later stretch of the band's drafting
 LONE_PLAIN_REFRESH = 1024
+# rounds a lone plain stretch leaves unmeasured: its first round carries the last drafts, and until the engine runs
+# the stream ahead (engine.AHEAD_AFTER_UNDRAFTED undrafted rounds) its rounds are slower than plain's steady ones;
+# 1 measures them (the default until a GPU run says which judges better: tools/device/profile_decode.py's bands)
+LONE_PLAIN_SETTLE_ENV = "TENSORFOLD_LONE_PLAIN_SETTLE"
 PROBE_SHARE = 0.03  # the most a probe may cost, as a share of the plain time before it
 PROBE_CATCH_UP = 32  # context rows a probe's drafter may catch up: what a probe costs must not grow with its gap
 PRIOR_HALF_LIFE = 64.0  # drafter windows, over all streams, after which one weighs half in a new stream's prior
@@ -183,7 +188,8 @@ class LoneGuard:
         self._drafted = True
         self._stretch = _Stretch()
         self._pending: _Stretch | None = None  # a drafted stretch waiting for a plain rate to be judged by
-        self._first = True
+        self.plain_settle = max(int(os.environ.get(LONE_PLAIN_SETTLE_ENV, "1")), 1)
+        self._skip = 1  # rounds of this stretch still to leave unmeasured
 
     @staticmethod
     def band(greedy: bool, context: int) -> tuple[bool, int]:
@@ -211,18 +217,18 @@ class LoneGuard:
 
     def interrupt(self) -> None:
         """A round this guard did not see ran (shared, prompt or copy): the next round here is a first round."""
-        self._first = True
+        self._skip = max(self._skip, 1)
 
     def observe(self, stream: Hashable, band: Hashable, drafted: bool, tokens: int, ms: float) -> None:
         """A lone round of this stream in mode `drafted` committed `tokens` in `ms` of wall time."""
         self._follow(stream, band)
         if drafted != self._drafted:  # not the mode this guard asked for: it measures nothing
-            self._first = True
+            self._skip = max(self._skip, 1)
             return
         stretch = self._stretch
         stretch.rounds += 1
-        if self._first:  # a mode's first round still carries the last round's drafts or their absence
-            self._first = False
+        if self._skip:  # a mode's first round still carries the last round's drafts or their absence
+            self._skip -= 1
         else:
             stretch.add(tokens, ms)
         entry = self._band(band)
@@ -247,12 +253,16 @@ class LoneGuard:
             # a stream new to the band starts plain where the band's last verdict was a loss
             self._who, self._pending = (stream, band), None
             self._set(self._band(band).losses == 0)
-            self._first = True
+            self._settle()
 
     def _set(self, drafted: bool) -> None:
         if drafted != self._drafted:
-            self._first = True
-        self._drafted, self._stretch = drafted, _Stretch()
+            self._drafted = drafted
+            self._settle()
+        self._stretch = _Stretch()
+
+    def _settle(self) -> None:
+        self._skip = self.plain_settle if not self._drafted else 1
 
     def _judge(self, entry: _Band, stretch: _Stretch) -> None:
         """A drafted stretch against the band's plain rate, on the stretch's own rate."""
