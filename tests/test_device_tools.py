@@ -40,6 +40,8 @@ def test_the_decode_profile_prints_each_engine_s_rate_phases_and_profile_and_dum
     assert set(kinds) <= {"plain rounds", "drafted rounds"} and 2 <= len(kinds) <= 4
     # each served run names its lone guard's bands (the CPU's guard keeps none: its rounds are not timed)
     assert sum(line.startswith("lone guard bands:") for line in lines) == 2
+    # and what its rounds told the guards, by kind (a rate, or why none)
+    assert sum(line.startswith("  the guards were told: ") for line in lines) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1-plain.prof", "1-served.prof", "2-plain.prof",
                                                           "2-served.prof"]
 

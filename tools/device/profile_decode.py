@@ -15,7 +15,8 @@ and a round's phases timed unprofiled (planning, building forwards in step, queu
 `--depth N` profiles a drafted engine too (every window N drafts, no copies, as bench_gpu_pair's drafted cell), and
 planning splits into the drafter's chain, its catch-up, the copy lookups, the planner's prices and the rest, and
 the rest of the round into the read of the verify's rows (the wait for the device) and the host's work after it.
-After each served run, its lone guard's bands print (the plain rate each judges drafting against).
+After each served run, its lone guard's bands print (the plain rate each judges drafting against), and the
+phased run says what its rounds told the guards (a lone or shared rate, or why none: a trace, a copy, no drafts).
 With `--census`, the drafter's own step graph is counted beside the target's. (`round_time.py` times the same parts
 each alone and synced; these phases are as rounds run them, overlaps and all.)
 """
@@ -100,13 +101,16 @@ def phased(engine, run) -> str:
     copy.propose, planner.plan = timed("copies", copy.propose), timed("prices", planner.plan)
     spent.update({"copies": 0.0, "prices": 0.0})
     engine_module.np = TimedNumpy()
+    told, planner_time = Counter(), planner._time
+    planner._time = lambda done, verified, end: (told.update(guard_round(done, verified)),
+                                                 planner_time(done, verified, end))
     start = time.perf_counter()
     try:
         run()
     finally:
         engine_module.np = np
         del engine.plan, engine._forward, engine.ahead.launch, engine.round  # the class's own methods again
-        del copy.propose, planner.plan
+        del copy.propose, planner.plan, planner._time
         if drafter is not None:
             del drafter.propose, drafter.catch_up
     total = time.perf_counter() - start
@@ -114,7 +118,26 @@ def phased(engine, run) -> str:
     if drafter is not None:
         lines += [f"  {name}: " + phase_line(kind, kind["round"], kind["rounds"])
                   for name, kind in by_kind.items() if kind["rounds"]]
+    if told:
+        lines.append("  the guards were told: " + ", ".join(f"{n} {what}" for what, n in told.most_common()))
     return "\n".join(lines)
+
+
+def guard_round(done, verified) -> list[str]:
+    """What a timed round tells the guards (as DraftPlanner._time decides): a lone or shared rate, or why not."""
+    from tensorfold_core import traces
+
+    if not done.measured:
+        return ["prompt or idle rounds (unmeasured)"]
+    if traces.count() != done.traces:
+        return ["rounds that traced a shape (unmeasured)"]
+    if done.drafted and not any(v.offered for v in verified):
+        return ["drafted rounds with no drafts (plain in disguise)"]
+    if len(done.asks) >= 2:
+        return [f"shared {'drafted' if done.drafted else 'plain'} rounds"]
+    if done.asks[0].copy:
+        return ["lone copy rounds (the lone guard skips them)"]
+    return [f"lone {'drafted' if done.drafted else 'plain'} rounds"]
 
 
 def phase_line(spent: Counter, total: float, rounds: int) -> str:
