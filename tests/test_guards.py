@@ -312,12 +312,23 @@ def test_a_bands_losing_verdict_starts_the_next_stream_in_that_band_plain():
     assert guard.drafted(3, other)
 
 
+def test_short_replies_in_one_band_carry_its_stretch_until_it_is_judged():
+    guard = LoneGuard()
+    # six rounds a reply, the first of each unmeasured: the band's 16 measured drafted rounds span four replies
+    modes = [mode for stream in range(1, 5) for mode in run_lone(guard, 6, stream=stream)]
+    assert modes == [True] * 20 + [False] * 4  # the fourth reply's last rounds take the plain stretch to compare
+    # a reply that began its own stretch each time would have drafted all 24 rounds, its band never judged; here
+    # the plain stretch goes on through the next replies (each one's first round unmeasured), and drafting wins
+    modes = [mode for stream in range(5, 8) for mode in run_lone(guard, 6, stream=stream)]
+    assert runs(modes) == [(False, 16), (True, 2)] and not guard.losing(BAND)
+
+
 def test_a_win_clears_the_bands_losing_verdict():
     guard = LoneGuard()
     run_lone(guard, 17 + 17 + 5, stream=1, drafted=(1, 20.0))
-    # the next stream waits plain, probes, and its drafts win
-    spans = runs(run_lone(guard, guard.wait(BAND) + 17 + 10, stream=2))
-    assert spans == [(False, guard.wait(BAND)), (True, 17 + 10)]
+    # the next stream waits out what the last one left of the band's plain wait, probes, and its drafts win
+    spans = runs(run_lone(guard, guard.wait(BAND) - 5 + 17 + 10, stream=2))
+    assert spans == [(False, guard.wait(BAND) - 5), (True, 17 + 10)]
     assert not guard.losing(BAND) and guard.drafted(4, BAND)
 
 

@@ -166,7 +166,7 @@ class SharedGuard:
 
 @dataclass
 class _Band:
-    """What a band keeps from stream to stream: its plain rate and its run of lost drafted stretches."""
+    """What a band keeps from stream to stream: its mode and stretch, its plain rate, its run of lost stretches."""
 
     plain: float | None = None  # committed tokens per ms of its last plain stretch
     plain_round_ms: float = 0.0
@@ -174,6 +174,11 @@ class _Band:
     wait: int = LONE_FIRST_WAIT
     since_plain: int = 0  # drafted rounds judged against that plain rate
     refresh: int = LONE_PLAIN_REFRESH
+    # the band's stretch in its mode, carried from stream to stream: short replies cross a band in a few rounds, and
+    # a stretch that began again with each of them was never judged (every band of a 256-token reply still unread)
+    drafted: bool = True
+    stretch: _Stretch = field(default_factory=_Stretch)
+    pending: _Stretch | None = None  # a drafted stretch waiting for a plain rate to be judged by
 
 
 class LoneGuard:
@@ -184,12 +189,10 @@ class LoneGuard:
         self.stretch_rounds, self.first_wait, self.max_wait = stretch, first_wait, max_wait
         self.margin, self.probe_share = margin, probe_share
         self._bands: dict[Hashable, _Band] = {}
-        self._who: tuple[Hashable, Hashable] | None = None  # the (stream, band) the current stretch is for
-        self._drafted = True
-        self._stretch = _Stretch()
-        self._pending: _Stretch | None = None  # a drafted stretch waiting for a plain rate to be judged by
+        self._who: tuple[Hashable, Hashable] | None = None  # the (stream, band) the last round was for
+        self._entry = _Band()  # that band's
         self.plain_settle = max(int(os.environ.get(LONE_PLAIN_SETTLE_ENV, "1")), 1)
-        self._skip = 1  # rounds of this stretch still to leave unmeasured
+        self._skip = 1  # rounds still to leave unmeasured
 
     @staticmethod
     def band(greedy: bool, context: int) -> tuple[bool, int]:
@@ -213,7 +216,7 @@ class LoneGuard:
     def drafted(self, stream: Hashable, band: Hashable) -> bool:
         """Whether this lone stream's next round holds drafter drafts."""
         self._follow(stream, band)
-        return self._drafted
+        return self._entry.drafted
 
     def interrupt(self) -> None:
         """A round this guard did not see ran (shared, prompt or copy): the next round here is a first round."""
@@ -222,47 +225,45 @@ class LoneGuard:
     def observe(self, stream: Hashable, band: Hashable, drafted: bool, tokens: int, ms: float) -> None:
         """A lone round of this stream in mode `drafted` committed `tokens` in `ms` of wall time."""
         self._follow(stream, band)
-        if drafted != self._drafted:  # not the mode this guard asked for: it measures nothing
+        entry = self._entry
+        if drafted != entry.drafted:  # not the mode this guard asked for: it measures nothing
             self._skip = max(self._skip, 1)
             return
-        stretch = self._stretch
+        stretch = entry.stretch
         stretch.rounds += 1
         if self._skip:  # a mode's first round still carries the last round's drafts or their absence
             self._skip -= 1
         else:
             stretch.add(tokens, ms)
-        entry = self._band(band)
-        if self._drafted:
+        if entry.drafted:
             if stretch.measured >= self.stretch_rounds:
                 if entry.plain is None:  # no plain rate yet for this band: take one stretch of it once
-                    self._pending = stretch
-                    self._set(False)
+                    entry.pending = stretch
+                    self._set(entry, False)
                 else:
                     self._judge(entry, stretch)
-        elif (stretch.measured >= self.stretch_rounds if self._pending is not None else stretch.rounds >= entry.wait):
+        elif (stretch.measured >= self.stretch_rounds if entry.pending is not None else stretch.rounds >= entry.wait):
             if stretch.measured:
                 entry.plain, entry.plain_round_ms, entry.since_plain = stretch.rate, stretch.round_ms, 0
-            pending, self._pending = self._pending, None
+            pending, entry.pending = entry.pending, None
             if pending is not None:
                 self._judge(entry, pending)
             else:  # the wait is over: measure drafting again
-                self._set(True)
+                self._set(entry, True)
 
     def _follow(self, stream: Hashable, band: Hashable) -> None:
-        if self._who != (stream, band):
-            # a stream new to the band starts plain where the band's last verdict was a loss
-            self._who, self._pending = (stream, band), None
-            self._set(self._band(band).losses == 0)
+        if self._who != (stream, band):  # another stream or band: its first round here is unmeasured
+            self._who, self._entry = (stream, band), self._band(band)
             self._settle()
 
-    def _set(self, drafted: bool) -> None:
-        if drafted != self._drafted:
-            self._drafted = drafted
+    def _set(self, entry: _Band, drafted: bool) -> None:
+        if drafted != entry.drafted:
+            entry.drafted = drafted
             self._settle()
-        self._stretch = _Stretch()
+        entry.stretch = _Stretch()
 
     def _settle(self) -> None:
-        self._skip = self.plain_settle if not self._drafted else 1
+        self._skip = self.plain_settle if not self._entry.drafted else 1
 
     def _judge(self, entry: _Band, stretch: _Stretch) -> None:
         """A drafted stretch against the band's plain rate, on the stretch's own rate."""
@@ -271,15 +272,15 @@ class LoneGuard:
             entry.since_plain += stretch.rounds
             if entry.since_plain >= entry.refresh:  # plain for a wait's rounds, its rate read again, then drafting
                 entry.refresh = min(entry.refresh * 2, LONE_PLAIN_REFRESH * 64)
-                self._set(False)
+                self._set(entry, False)
                 return
-            self._set(True)
+            self._set(entry, True)
             return
         entry.losses += 1
         entry.wait = self.first_wait if entry.losses == 1 else min(entry.wait * 2, self.max_wait)
         if entry.losses >= LONE_LOSSES_PRICED:
             entry.wait = max(entry.wait, self._priced_wait(entry, stretch))
-        self._set(False)
+        self._set(entry, False)
 
     def _priced_wait(self, entry: _Band, stretch: _Stretch) -> int:
         """Plain rounds that make a probe like this one cost at most `probe_share` of the plain time."""
