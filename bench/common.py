@@ -220,7 +220,8 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "kc16-vc32": {"TENSORFOLD_ATTENTION_CHUNKS": "16,32"}, "l2-256": {"TENSORFOLD_GEMV_LOAD": "l2-256"},
             "l2-128": {"TENSORFOLD_GEMV_LOAD": "l2-128"},
             "ops-5": {"MLX_MAX_OPS_PER_BUFFER": "5"}, "ops-20": {"MLX_MAX_OPS_PER_BUFFER": "20"},
-            "graphs-off": {"MLX_USE_CUDA_GRAPHS": "0"}, "maxt2": {"TENSORFOLD_GEMV_MAXT": "2"},
+            "graphs-off": {"MLX_USE_CUDA_GRAPHS": "0"}, "graphs-on": {"MLX_USE_CUDA_GRAPHS": "1"},
+            "maxt2": {"TENSORFOLD_GEMV_MAXT": "2"},
             "conv-spans": {"TENSORFOLD_WHOLE_CONV_SPANS": "1"}, "unpadded": {"TENSORFOLD_WHOLE_PAD_ROWS": "0"},
             "trace-first": {"TENSORFOLD_WHOLE_TRACE_AFTER": "0"},
             "lazy-catch-up": {"TENSORFOLD_DSPARK_LAZY_CATCH_UP": "1"}}
@@ -251,7 +252,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     host instead of reading the device's greedy ids, TENSORFOLD_DEVICE_GREEDY=0, `:ops-100`, `:ops-250`, `:ops-5` and
     `:ops-20` commit MLX's CUDA graphs every 100, 250, 5 or 20 kernels (20 is MLX's default: a mode that names it
     stays there when the caller's environment sets another), MLX_MAX_OPS_PER_BUFFER,
-    `:graphs-off` launches kernels without CUDA graphs, MLX_USE_CUDA_GRAPHS=0, `:w8` splits K
+    `:graphs-off` launches kernels without CUDA graphs, MLX_USE_CUDA_GRAPHS=0 (tensorfold_core's
+    default; `:graphs-on`, =1, is MLX's), `:w8` splits K
     over 8 warps in the bf16 GEMVs of fewer than 4,096 outputs instead of 16 (`:w16-mt2` keeps 16 with two
     16-column tiles a warp, the default until one), TENSORFOLD_GEMV_NARROW (32 warps ask more registers than a block
     of 1,024 threads may hold), `:u1` has a GEMV warp load one step at a time (the 8-warp split's default),

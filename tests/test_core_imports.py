@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,15 @@ def test_only_loading_resolves_or_loads_checkpoints():
     found = [f"{p.relative_to(CORE.parent)}: {m.group(0)}" for p in sources
              for m in RESOLVES_OR_LOADS.finditer(p.read_text())]
     assert found == []
+
+
+@pytest.mark.parametrize("caller, seen", [(None, "0"), ("1", "1")])
+def test_importing_the_core_turns_mlx_s_cuda_graphs_off_unless_the_caller_set_them(caller, seen):
+    env = {k: v for k, v in os.environ.items() if k != tensorfold_core.CUDA_GRAPHS_ENV}
+    if caller is not None:
+        env[tensorfold_core.CUDA_GRAPHS_ENV] = caller
+    done = subprocess.run([sys.executable, "-c", "import os, tensorfold_core; "
+                           "print(os.environ[tensorfold_core.CUDA_GRAPHS_ENV])"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == seen

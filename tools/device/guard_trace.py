@@ -11,8 +11,8 @@ verdict between bars (each mode's rate in tokens a ms, the mode it runs next, an
 engine's rounds tallied by kind (prompt chunks, traced, each guard's modes) and the served rounds' phases (plan,
 catch-up, chain, the rest) for the pass's first rounds and its slow ones. Drafted rounds far slower than their
 neighbours are what a measure of four rounds can pick plain on, and a plain verdict runs 512 rounds. Run it through
-`run_on_h200.sh exec`, with MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=0:
-contract/receipts/h200-2026-12-05d/).
+`run_on_h200.sh exec`, with MLX's knobs set per run to compare (MLX_USE_CUDA_GRAPHS=1 puts back MLX's CUDA graphs,
+which tensorfold_core turns off: contract/receipts/h200-2026-12-05d/ and -06g/).
 """
 
 from __future__ import annotations
