@@ -38,7 +38,7 @@ def test_the_decode_profile_prints_each_engine_s_rate_phases_and_profile_and_dum
     assert len(whole) == 4 and "function calls" in done.stdout
     # a served engine's plain and drafted rounds apart, each where it ran any
     assert set(kinds) <= {"plain rounds", "drafted rounds"} and 2 <= len(kinds) <= 4
-    # each served run names its lone guard's bands (the CPU's guard keeps none: its rounds are not timed)
+    # each served run names its lone guard's bands (the plain rate each judges drafting against)
     assert sum(line.startswith("lone guard bands:") for line in lines) == 2
     # and what its rounds told the guards, by kind (a rate, or why none)
     assert sum(line.startswith("  the guards were told: ") for line in lines) == 2

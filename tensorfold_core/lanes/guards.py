@@ -175,7 +175,7 @@ class _Band:
     since_plain: int = 0  # drafted rounds judged against that plain rate
     refresh: int = LONE_PLAIN_REFRESH
     # the band's stretch in its mode, carried from stream to stream: short replies cross a band in a few rounds, and
-    # a stretch that began again with each of them was never judged (every band of a 256-token reply still unread)
+    # a stretch that began again with each of them was never judged (docs/speculation.md)
     drafted: bool = True
     stretch: _Stretch = field(default_factory=_Stretch)
     pending: _Stretch | None = None  # a drafted stretch waiting for a plain rate to be judged by

@@ -102,7 +102,7 @@ def phased(engine, run) -> str:
     spent.update({"copies": 0.0, "prices": 0.0})
     engine_module.np = TimedNumpy()
     told, planner_time = Counter(), planner._time
-    planner._time = lambda done, verified, end: (told.update(guard_round(done, verified)),
+    planner._time = lambda done, verified, end: (told.update([guard_round(done, verified)]),
                                                  planner_time(done, verified, end))
     start = time.perf_counter()
     try:
@@ -123,21 +123,21 @@ def phased(engine, run) -> str:
     return "\n".join(lines)
 
 
-def guard_round(done, verified) -> list[str]:
+def guard_round(done, verified) -> str:
     """What a timed round tells the guards (as DraftPlanner._time decides): a lone or shared rate, or why not."""
     from tensorfold_core import traces
 
     if not done.measured:
-        return ["prompt or idle rounds (unmeasured)"]
+        return "prompt or idle rounds (unmeasured)"
     if traces.count() != done.traces:
-        return ["rounds that traced a shape (unmeasured)"]
+        return "rounds that traced a shape (unmeasured)"
     if done.drafted and not any(v.offered for v in verified):
-        return ["drafted rounds with no drafts (plain in disguise)"]
+        return "drafted rounds with no drafts (plain in disguise)"
     if len(done.asks) >= 2:
-        return [f"shared {'drafted' if done.drafted else 'plain'} rounds"]
+        return f"shared {'drafted' if done.drafted else 'plain'} rounds"
     if done.asks[0].copy:
-        return ["lone copy rounds (the lone guard skips them)"]
-    return [f"lone {'drafted' if done.drafted else 'plain'} rounds"]
+        return "lone copy rounds (the lone guard skips them)"
+    return f"lone {'drafted' if done.drafted else 'plain'} rounds"
 
 
 def phase_line(spent: Counter, total: float, rounds: int) -> str:
@@ -153,8 +153,8 @@ def phase_line(spent: Counter, total: float, rounds: int) -> str:
 
 
 def lone_bands(engine) -> str:
-    """The served engine's lone guard, band by band: the plain rate its drafted stretches are judged against, when
-    it was read, and the band's verdict (a stale plain rate read while shapes were still built lets drafting win)."""
+    """The served engine's lone guard, band by band: the plain rate its drafted stretches are judged against, the
+    drafted rounds judged since it was read, and the band's verdict (a stale plain rate lets drafting win)."""
     lone = engine.planner.lone
     lines = []
     for (greedy, bits), entry in sorted(lone._bands.items()):
