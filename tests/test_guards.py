@@ -453,8 +453,11 @@ def test_copy_rounds_are_left_out_of_the_lone_guard(monkeypatch):
     clock, seen = FakeClock(), []
     planner = DraftPlanner(clock=clock)
     monkeypatch.setattr(planner.lone, "observe", lambda *args: seen.append(args))
+    interrupted = []
+    monkeypatch.setattr(planner.lone, "interrupt", lambda: interrupted.append(True))
     drive(planner, clock, 40, [0.9], round_ms=fast, step_ms=0.5, copy=True)
-    assert not seen
+    # nor interrupt it: a copy round runs in either mode, so the lone round after it is measured as any other
+    assert not seen and not interrupted
     drive(planner, clock, 40, [0.9], round_ms=fast, step_ms=0.5)
     assert seen
 
@@ -523,3 +526,4 @@ def test_a_round_that_traced_a_new_shape_teaches_the_planner_no_cost_and_no_rate
     log = drive(planner, clock, 40, rates, round_ms=traced, step_ms=40.0)
     assert taught(planner) == before
     assert all(sum(depths) for depths in log)  # no guard took the traced rounds' rate for drafting's
+

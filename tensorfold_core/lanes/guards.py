@@ -219,7 +219,7 @@ class LoneGuard:
         return self._entry.drafted
 
     def interrupt(self) -> None:
-        """A round this guard did not see ran (shared, prompt or copy): the next round here is a first round."""
+        """A round this guard did not see ran (shared or prompt): the next round here is a first round."""
         self._skip = max(self._skip, 1)
 
     def observe(self, stream: Hashable, band: Hashable, drafted: bool, tokens: int, ms: float) -> None:
@@ -567,7 +567,9 @@ class DraftPlanner:
         if told and lone and not done.asks[0].copy:
             ask = done.asks[0]
             self.lone.observe(ask.stream_id, LoneGuard.band(ask.greedy, ask.context), done.drafted, tokens, ms)
-        else:
+        elif not (lone and done.asks[0].copy):
+            # a lone copy round is no interruption: copies run in either mode, and a stream whose copies and drafter
+            # rounds alternate would otherwise leave every round of its stretch unmeasured, never judged
             self.lone.interrupt()
 
     def leave(self, stream_id: int) -> None:
