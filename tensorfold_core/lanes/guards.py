@@ -219,7 +219,7 @@ class LoneGuard:
         return self._entry.drafted
 
     def interrupt(self) -> None:
-        """A round this guard did not see ran (shared or prompt): the next round here is a first round."""
+        """A round this guard did not see ran (shared, prompt, traced, no drafts): the next one here is a first."""
         self._skip = max(self._skip, 1)
 
     def observe(self, stream: Hashable, band: Hashable, drafted: bool, tokens: int, ms: float) -> None:
@@ -341,6 +341,21 @@ class _Round:
     caught_up: float | None = None
     proposed: float | None = None
     traces: int = 0  # the process's trace count at `plan`
+
+
+def told_kind(done: _Round, verified: Sequence[Verified], traced: bool) -> str:
+    """What a timed round tells the guards: a "shared" or "lone" rate, or why none ("prompt", "traced", "no drafts",
+    "lone copy")."""
+    if not done.measured:  # a prompt chunk's round, or none decoding
+        return "prompt"
+    if traced:
+        return "traced"
+    if len(done.asks) == 1 and done.asks[0].copy:  # copy drafts cost no steps: the rule prices them
+        return "lone copy"
+    # a drafted round whose windows held no drafts is a plain one in disguise: it tells neither rate
+    if done.drafted and not any(v.offered for v in verified):
+        return "no drafts"
+    return "shared" if len(done.asks) >= 2 else "lone"
 
 
 class DraftPlanner:
@@ -558,16 +573,15 @@ class DraftPlanner:
             line.observe_round(sum(1 + v.offered for v in verified), end - forward_start)
         tokens, ms = sum(v.committed for v in verified), end - done.start
         catch_up = done.caught_up - done.planned if done.caught_up is not None else 0.0
-        # a drafted round whose windows held no drafts is a plain one in disguise: it tells neither rate
-        told = measured and (not done.drafted or any(v.offered for v in verified))
-        if told and len(done.asks) >= 2:
+        told = told_kind(done, verified, traced)
+        if told == "shared":
             self.shared.observe(len(done.asks), done.drafted, tokens, ms, catch_up)
         else:
             self.shared.interrupt()
-        if told and lone and not done.asks[0].copy:
+        if told == "lone":
             ask = done.asks[0]
             self.lone.observe(ask.stream_id, LoneGuard.band(ask.greedy, ask.context), done.drafted, tokens, ms)
-        elif not (lone and done.asks[0].copy):
+        elif told != "lone copy":
             # a lone copy round is no interruption: copies run in either mode, and a stream whose copies and drafter
             # rounds alternate would otherwise leave every round of its stretch unmeasured, never judged
             self.lone.interrupt()

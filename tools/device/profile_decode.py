@@ -102,8 +102,12 @@ def phased(engine, run) -> str:
     spent.update({"copies": 0.0, "prices": 0.0})
     engine_module.np = TimedNumpy()
     told, planner_time = Counter(), planner._time
-    planner._time = lambda done, verified, end: (told.update([guard_round(done, verified)]),
-                                                 planner_time(done, verified, end))
+
+    def told_time(done, verified, end):
+        told[guard_round(done, verified)] += 1
+        return planner_time(done, verified, end)
+
+    planner._time = told_time
     start = time.perf_counter()
     try:
         run()
@@ -124,20 +128,15 @@ def phased(engine, run) -> str:
 
 
 def guard_round(done, verified) -> str:
-    """What a timed round tells the guards (as DraftPlanner._time decides): a lone or shared rate, or why not."""
+    """What a timed round tells the guards (`guards.told_kind`, as DraftPlanner._time decides), in words."""
     from tensorfold_core import traces
+    from tensorfold_core.lanes.guards import told_kind
 
-    if not done.measured:
-        return "prompt or idle rounds (unmeasured)"
-    if traces.count() != done.traces:
-        return "rounds that traced a shape (unmeasured)"
-    if done.drafted and not any(v.offered for v in verified):
-        return "drafted rounds with no drafts (plain in disguise)"
-    if len(done.asks) >= 2:
-        return f"shared {'drafted' if done.drafted else 'plain'} rounds"
-    if done.asks[0].copy:
-        return "lone copy rounds (the lone guard skips them)"
-    return f"lone {'drafted' if done.drafted else 'plain'} rounds"
+    kind = told_kind(done, verified, traces.count() != done.traces)
+    mode = "drafted" if done.drafted else "plain"
+    return {"prompt": "prompt or idle rounds (unmeasured)", "traced": "rounds that traced a shape (unmeasured)",
+            "no drafts": "drafted rounds with no drafts (plain in disguise)",
+            "lone copy": "lone copy rounds (the lone guard skips them)"}.get(kind, f"{kind} {mode} rounds")
 
 
 def phase_line(spent: Counter, total: float, rounds: int) -> str:
