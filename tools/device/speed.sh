@@ -27,8 +27,9 @@
 #             e.g. "- TENSORFOLD_GEMV_NARROW=8 TENSORFOLD_ROPE_IN=1+TENSORFOLD_DEVICE_STEP_ARRAYS=0"); the first also
 #             builds every kernel, so give CAP_KERNELS room for it
 #   graphs    the shared guard's log at 8 streams (tools/device/guard_trace.py) once per GRAPH_KNOBS entry (as
-#             KERNEL_KNOBS; default "- MLX_MAX_OPS_PER_BUFFER=10 MLX_MAX_OPS_PER_BUFFER=5
-#             MLX_MAX_OPS_PER_BUFFER=2 MLX_USE_CUDA_GRAPHS=1": how rounds are cut into CUDA graphs), on GRAPH_PAIR
+#             KERNEL_KNOBS; default "- MLX_MAX_OPS_PER_BUFFER=1000 MLX_USE_CUDA_GRAPHS=1
+#             MLX_USE_CUDA_GRAPHS=1+MLX_MAX_OPS_PER_BUFFER=10": graphs off, tensorfold_core's default, where the
+#             knob only spaces MLX's commits, then MLX's CUDA graphs and how rounds are cut into them), on GRAPH_PAIR
 #             (default the tiny-lfm2 DSpark pair: carry its drafter's dir, stage.sh weights leaves it out)
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
@@ -94,8 +95,8 @@ for what in "${@:-bench pair exact contract affine}"; do
           step kernels "${CAP_KERNELS:-240}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/kernels.txt" ;;
       graphs)
-        OUT=$receipt TF_EXEC="for knob in ${GRAPH_KNOBS:-- MLX_MAX_OPS_PER_BUFFER=10 \
-          MLX_MAX_OPS_PER_BUFFER=5 MLX_MAX_OPS_PER_BUFFER=2 MLX_USE_CUDA_GRAPHS=1}; do echo \"== knob \$knob\"; \
+        OUT=$receipt TF_EXEC="for knob in ${GRAPH_KNOBS:-- MLX_MAX_OPS_PER_BUFFER=1000 \
+          MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=1+MLX_MAX_OPS_PER_BUFFER=10}; do echo \"== knob \$knob\"; \
           env \$([ \"\$knob\" = - ] || echo \$knob | tr + ' ') python3 tools/device/guard_trace.py \
           ${GRAPH_PAIR:-tiny-lfm2 tiny-lfm2-dspark} --streams 8 --passes 4 --width 600; done" \
           step graphs "${CAP_GRAPHS:-200}" bash contract/receipts/run_on_h200.sh exec
