@@ -46,6 +46,29 @@ def test_the_decode_profile_prints_each_engine_s_rate_phases_and_profile_and_dum
                                                           "2-served.prof"]
 
 
+def test_the_decode_profile_prints_no_rate_for_an_engine_whose_replies_are_not_plain_s(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import profile_decode  # puts bench/ on the path, where bench_gpu_pair lives
+
+    import bench_gpu_pair
+
+    honest = bench_gpu_pair.together
+
+    def planted(model, engine, requests):  # a served engine whose first reply ends one token off plain's
+        ids, seconds = honest(model, engine, requests)
+        if engine.drafter is not None:
+            ids[0][-1] += 1
+        return ids, seconds
+
+    monkeypatch.setattr(bench_gpu_pair, "together", planted)
+    models = resolve_model("tiny-llama").parent
+    code = profile_decode.main([str(models / "tiny-llama"), "--drafter", str(models / "tiny-llama-drafter"),
+                                "--tokens", "4", "--streams", "1", "--top", "1"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "MISMATCH 1 stream(s), served, prompt 0: token 3" in err
+    assert "plain: " in out and "served: " not in out
+
+
 def test_the_guard_trace_logs_each_measured_round_and_the_verdict_that_follows_them():
     models = resolve_model("tiny-llama").parent
     done = subprocess.run([sys.executable, str(TOOLS / "guard_trace.py"), str(models / "tiny-llama"),

@@ -4,7 +4,8 @@
         [--code-prompts]
 
 Each run is decoded once untimed (MLX builds its kernels on first use), then once under cProfile; prints the tok/s
-and the functions by their own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
+(only where every reply's ids equal the plain engine's: a mismatch exits 1 with no rate) and the functions by their
+own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
 device (and for MLX's evaluation of the graph on the host); the rest is Python building graphs and planning
 rounds. Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
 `--census` first counts the primitives of one decode step's graph (one stream, then N), which is what MLX evaluates
@@ -191,7 +192,7 @@ def printed_census(model, tokenizer, streams: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from bench_gpu_pair import together
-    from common import CODE_PROMPTS
+    from common import CODE_PROMPTS, BenchMismatch, check_same_replies
 
     from tensorfold_core.lanes.engine import Engine
     from tensorfold_core.lanes.types import GenerationRequest
@@ -237,16 +238,23 @@ def main(argv: list[str] | None = None) -> int:
         if drafter is not None:
             engines["served"] = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
             engines["served"].time_rows(streams)  # as a server of that many slots primes its shared rounds' costs
+        plain_ids = None
         for name, engine in engines.items():
             together(model, engine, requests)  # warm: every shape built once
             before = (engine.rounds, engine.ahead.used, dict(engine.counters.verdicts))
             start = time.perf_counter()
-            together(model, engine, requests)
+            ids, _ = together(model, engine, requests)
             rate = streams * args.tokens / (time.perf_counter() - start)
+            plain_ids = ids if plain_ids is None else plain_ids
+            try:  # a rate whose replies are not plain's is no rate
+                check_same_replies(f"{streams} stream(s), {name}", plain_ids, ids)
+            except BenchMismatch as exc:
+                print(f"MISMATCH {exc}: no rate", file=sys.stderr)
+                return 1
             rounds, ahead = engine.rounds - before[0], engine.ahead.used - before[1]
             drafted = engine.counters.verdicts.get("drafted", 0) - before[2].get("drafted", 0)
             print(f"\n== {streams} stream(s), {name}: {rate:.1f} tok/s unprofiled; {rounds} rounds, {ahead} run "
-                  f"ahead, {drafted} windows drafted")
+                  f"ahead, {drafted} windows drafted; replies equal plain's")
             print(phased(engine, lambda: together(model, engine, requests)))
             if name == "served":
                 print(lone_bands(engine))
