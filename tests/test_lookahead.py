@@ -187,3 +187,37 @@ def test_rounds_in_step_commit_every_window_in_one_evaluation_not_a_keep_a_strea
     got, run = replies(model, requests, 4, lookahead=False)
     assert keeps == [] and run.engine.ahead.used == 0
     assert [len(ids) for ids in got] == [request.max_tokens for request in requests]
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_a_lone_stream_the_lone_guard_runs_plain_looks_up_copies_unless_bare_and_bare_runs_ahead(bare, monkeypatch):
+    from tensorfold_core.lanes.engine import LONE_PLAIN_BARE_ENV, Engine
+    from tensorfold_core.lanes.stream import Stream
+    from tensorfold_core.lanes.types import TokenEvent
+
+    monkeypatch.setenv(LONE_PLAIN_BARE_ENV, "1" if bare else "0")
+    model, tokenizer, _ = load_model("tiny-llama")
+    engine = Engine(model, shared_rounds=True, drafter=start_drafter("tiny-llama-drafter", model, tokenizer),
+                    timed=True)
+    engine.planner.lone.drafted = lambda stream, band: False  # the lone guard's verdict in every band: plain
+    rng = random.Random(4)
+    phrase = [rng.randrange(6, 300) for _ in range(7)]
+    prompt = [rng.randrange(6, 300) for _ in range(9)] + phrase * 3  # it repeats: copies land where looked up
+    replies = []
+    for request in (GenerationRequest(prompt_ids=prompt, max_tokens=40),
+                    GenerationRequest(prompt_ids=prompt, max_tokens=40, draft=False)):
+        events, limit = [], len(prompt) + 40
+        engine.add(Stream(id=len(replies), request=request, cache=model.new_cache(limit), on_event=events.append,
+                          limit=limit))
+        used = engine.ahead.used
+        while not engine.idle():
+            engine.round()
+        replies.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        if len(replies) == 1:
+            sources, ahead = set(engine.counters.by_source), engine.ahead.used - used
+    assert replies[0] == replies[1] and len(replies[0]) == 40
+    assert engine.drafter.name not in engine.counters.by_source  # the drafter is never asked
+    if bare:  # as plain runs: no copy, and rounds ahead once 3 in a row held no drafts
+        assert not sources and ahead > 20
+    else:  # copies land, and each one starts the undrafted count over
+        assert sources == {"copy"} and ahead < 20

@@ -15,7 +15,7 @@ from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, D
 from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
-from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
+from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, LoneGuard, Verified
 from .row_costs import prime_shared_lines, times_rows
 from .rows import RowStage
 from .stream import Stream
@@ -29,6 +29,11 @@ AHEAD_AFTER_UNDRAFTED = 3
 # drafts: on the H200 at 8 streams the rule of 3 ran 86 of 131 rounds ahead against plain's 119 of 135, for 9 drafted
 # windows of 967 (docs/performance.md, fifth visit)
 AHEAD_AFTER_UNDRAFTED_SHARED = 1
+# "1": while the lone guard runs a lone stream plain it looks up no copies either, so after the rule of 3 its plain
+# stretch runs ahead as plain does and drafting is judged against plain's rate; with copies (the default until a GPU
+# run judges it) a code reply's copy rounds keep starting its undrafted count over, so little of the stretch runs
+# ahead (docs/speculation.md)
+LONE_PLAIN_BARE_ENV = "TENSORFOLD_LONE_PLAIN_BARE"
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Engine:
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
         self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
+        self.lone_plain_bare = os.environ.get(LONE_PLAIN_BARE_ENV, "0") == "1"
 
     def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
         """Time the target's forwards for shared rounds of up to `parallel` streams (a timed engine that may draft:
@@ -250,10 +256,16 @@ class Engine:
                                          else turn.drafts)
 
     def _runs_plain(self, facts) -> bool:
-        """Whether this round's band is in the shared guard's plain run, where the planner drafts nothing."""
+        """Whether a guard runs this round's band plain, where the planner drafts nothing: the shared guard, or with
+        TENSORFOLD_LONE_PLAIN_BARE=1 the lone guard for one stream."""
         streams = len(self._asked)
-        return (self.fixed_depth is None and self.planner.timed and facts.shared_guard and streams >= 2
-                and not self.planner.shared.drafted(streams))
+        if self.fixed_depth is not None or not self.planner.timed:
+            return False
+        if streams >= 2:
+            return facts.shared_guard and not self.planner.shared.drafted(streams)
+        stream = self._asked[0].stream
+        return self.lone_plain_bare and facts.lone_guard and not self.planner.lone.drafted(
+            stream.id, LoneGuard.band(stream.request.sampling.greedy, len(stream.tokens)))
 
     def _skip_taps(self, facts) -> None:
         """A band running plain taps only the rows its next drafted round may catch up: a plain round commits one row
