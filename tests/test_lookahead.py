@@ -203,19 +203,19 @@ def test_a_lone_stream_the_lone_guard_runs_plain_looks_up_copies_unless_bare_and
     rng = random.Random(4)
     phrase = [rng.randrange(6, 300) for _ in range(7)]
     prompt = [rng.randrange(6, 300) for _ in range(9)] + phrase * 3  # it repeats: copies land where looked up
-    replies = []
+    got = []
     for request in (GenerationRequest(prompt_ids=prompt, max_tokens=40),
                     GenerationRequest(prompt_ids=prompt, max_tokens=40, draft=False)):
         events, limit = [], len(prompt) + 40
-        engine.add(Stream(id=len(replies), request=request, cache=model.new_cache(limit), on_event=events.append,
+        engine.add(Stream(id=len(got), request=request, cache=model.new_cache(limit), on_event=events.append,
                           limit=limit))
         used = engine.ahead.used
         while not engine.idle():
             engine.round()
-        replies.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
-        if len(replies) == 1:
+        got.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        if len(got) == 1:
             sources, ahead = set(engine.counters.by_source), engine.ahead.used - used
-    assert replies[0] == replies[1] and len(replies[0]) == 40
+    assert got[0] == got[1] and len(got[0]) == 40
     assert engine.drafter.name not in engine.counters.by_source  # the drafter is never asked
     if bare:  # as plain runs: no copy, and rounds ahead once 3 in a row held no drafts
         assert not sources and ahead > 20
