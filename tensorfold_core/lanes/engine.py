@@ -15,7 +15,7 @@ from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, D
 from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
-from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, LoneGuard, Verified
+from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
 from .row_costs import prime_shared_lines, times_rows
 from .rows import RowStage
 from .stream import Stream
@@ -257,15 +257,11 @@ class Engine:
 
     def _runs_plain(self, facts) -> bool:
         """Whether a guard runs this round's band plain, where the planner drafts nothing: the shared guard, or with
-        TENSORFOLD_LONE_PLAIN_BARE=1 the lone guard for one stream."""
-        streams = len(self._asked)
-        if self.fixed_depth is not None or not self.planner.timed:
+        TENSORFOLD_LONE_PLAIN_BARE=1 the lone guard for one stream (asked as the planner will ask it, copy or not)."""
+        if self.fixed_depth is not None or (len(self._asked) == 1 and not self.lone_plain_bare):
             return False
-        if streams >= 2:
-            return facts.shared_guard and not self.planner.shared.drafted(streams)
-        stream = self._asked[0].stream
-        return self.lone_plain_bare and facts.lone_guard and not self.planner.lone.drafted(
-            stream.id, LoneGuard.band(stream.request.sampling.greedy, len(stream.tokens)))
+        asks = [Ask(t.stream.id, 0, len(t.stream.tokens), t.stream.request.sampling.greedy) for t in self._asked]
+        return not self.planner.guards_draft(asks, facts)
 
     def _skip_taps(self, facts) -> None:
         """A band running plain taps only the rows its next drafted round may catch up: a plain round commits one row

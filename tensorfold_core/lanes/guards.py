@@ -400,7 +400,8 @@ class DraftPlanner:
         lane = self._lanes.get((stream_id, ""))
         return lane is not None and lane.aside.probing
 
-    def _drafted(self, asks: Sequence[Ask], facts: DrafterFacts) -> bool:
+    def guards_draft(self, asks: Sequence[Ask], facts: DrafterFacts) -> bool:
+        """Whether the guards let this round's asks draft: the shared guard's band, or the lone guard's for one ask."""
         if not self.timed:  # an untimed engine never consults the guards
             return True
         if len(asks) >= 2:
@@ -418,7 +419,7 @@ class DraftPlanner:
         start = self._now()
         lanes = [self._lane(a.stream_id, a.kind) for a in asks]
         granting = [facts.chances and not a.copy for a in asks]
-        drafted = self._drafted(asks, facts)
+        drafted = self.guards_draft(asks, facts)
         depths, consulted, first = [0] * len(asks), [False] * len(asks), [False] * len(asks)
         if drafted:
             priced = self._priced(asks, lanes, granting, extra_rows)

@@ -5,9 +5,9 @@
 
 Each run is decoded once untimed (MLX builds its kernels on first use), then once under cProfile; prints the tok/s
 (only where every reply's ids equal the plain engine's: a mismatch exits 1 with no rate) and the functions by their
-own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the
-device (and for MLX's evaluation of the graph on the host); the rest is Python building graphs and planning
-rounds. Run it under the kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
+own time. Time inside `numpy.array` is the engine's read of the logits, waiting for the device (and for MLX's
+evaluation of the graph on the host); the rest is Python building graphs and planning rounds. Run it under the
+kernel table mode to profile (TENSORFOLD_KERNELS, through run_on_h200.sh exec).
 `--census` first counts the primitives of one decode step's graph (one stream, then N), which is what MLX evaluates
 on the host node by node: where that evaluation is the cost of a token, fewer nodes is the lever. `--drafter DIR`
 profiles the served engine too (the drafter, copy drafts, priced depths, as a server runs them) beside plain, so a
