@@ -42,6 +42,10 @@ def test_the_decode_profile_prints_each_engine_s_rate_phases_and_profile_and_dum
     assert sum(line.startswith("lone guard bands:") for line in lines) == 2
     # and what its rounds told the guards, by kind (a rate, or why none)
     assert sum(line.startswith("  the guards were told: ") for line in lines) == 2
+    # and its rounds named by what they carried and did for the next, the first reply's as letters
+    assert sum(line == "rounds by what they carried, then what they did for the next round:" for line in lines) == 2
+    trails = [line.split("): ")[1] for line in lines if line.startswith("  first reply's rounds (")]
+    assert len(trails) == 2 and all(trail and set(trail) <= set("DCGgnap") for trail in trails)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1-plain.prof", "1-served.prof", "2-plain.prof",
                                                           "2-served.prof"]
 

@@ -17,7 +17,9 @@ and a round's phases timed unprofiled (planning, building forwards in step, queu
 planning splits into the drafter's chain, its catch-up, the copy lookups, the planner's prices and the rest, and
 the rest of the round into the read of the verify's rows (the wait for the device) and the host's work after it.
 After each served run, its lone guard's bands print (the plain rate each judges drafting against), and the
-phased run says what its rounds told the guards (a lone or shared rate, or why none: a trace, a copy, no drafts).
+phased run says what its rounds told the guards (a lone or shared rate, or why none: a trace, a copy, no drafts);
+a last run names each round by what it carried and did for the next (queued it, or held it and why), the first
+reply's rounds as letters: where a plain stretch does not run ahead, they say which rounds broke it.
 With `--census`, the drafter's own step graph is counted beside the target's. (`round_time.py` times the same parts
 each alone and synced; these phases are as rounds run them, overlaps and all.)
 """
@@ -125,6 +127,76 @@ def phased(engine, run) -> str:
                   for name, kind in by_kind.items() if kind["rounds"]]
     if told:
         lines.append("  the guards were told: " + ", ".join(f"{n} {what}" for what, n in told.most_common()))
+    return "\n".join(lines)
+
+
+ROUND_LETTERS = {"drafter": "D", "copy": "C", "grammar": "G", "guarded": "g", "none": "n", "ahead": "a",
+                 "prompt": "p"}
+
+
+def tallied(engine, run) -> str:
+    """`run()` with each round of the engine named: what its windows carried (the drafter's drafts, a copy, none
+    because a guard ran it plain, none though the guards let it draft, a step queued by the last round, a prompt
+    chunk) and what it did for the next round (queued it, held it since a stream may draft next and why, or could
+    not); then the rounds of the first stream's reply as letters, since a plain stretch's breaks show there."""
+    seen: dict = {"turns": [], "guards": None}
+    rows: Counter = Counter()
+    letters: list[str] = []
+    engine_plan, engine_round, guards_draft = engine.plan, engine.round, engine.planner.guards_draft
+
+    def plan():
+        seen["turns"] = engine_plan()
+        return seen["turns"]
+
+    def told_guards(*args, **kwargs):
+        seen["guards"] = guards_draft(*args, **kwargs)
+        return seen["guards"]
+
+    def named_round():
+        seen["guards"], used, held = None, engine.ahead.used, engine.ahead.held
+        undrafted = dict(engine._undrafted)
+        went = engine_round()
+        turns = [t for t in seen["turns"] if t.draws]
+        if not went:
+            return went
+        if engine.ahead.used > used:
+            kind = "ahead"
+        elif not turns:
+            kind = "prompt"
+        elif any(t.drafts and t.source == getattr(engine.drafter, "name", None) for t in turns):
+            kind = "drafter"
+        elif any(t.drafts for t in turns):
+            kind = "grammar" if all(t.source == "grammar" for t in turns if t.drafts) else "copy"
+        else:
+            kind = "guarded" if seen["guards"] is False else "none"
+        if engine.ahead.launched is not None:
+            then = "queued the next"
+        elif engine.ahead.held > held:
+            counts = sorted({undrafted.get(t.stream.id, 0) for t in turns})
+            then = "held: undrafted " + "/".join(map(str, counts))
+        else:
+            then = "in step"
+        rows[(kind, then)] += 1
+        first = min((t.stream.id for t in seen["turns"]), default=None)
+        if first is not None and (not letters or seen.get("first") == first):
+            seen["first"] = first
+            letters.append(ROUND_LETTERS[kind])
+        return went
+
+    engine.plan, engine.round, engine.planner.guards_draft = plan, named_round, told_guards
+    try:
+        run()
+    finally:
+        del engine.plan, engine.round, engine.planner.guards_draft
+    kinds = Counter()
+    for (kind, _), n in rows.items():
+        kinds[kind] += n
+    lines = ["rounds by what they carried, then what they did for the next round:"]
+    for kind, n in kinds.most_common():
+        thens = ", ".join(f"{then} {m}" for (k, then), m in sorted(rows.items(), key=lambda r: -r[1]) if k == kind)
+        lines.append(f"  {kind} {n}: {thens}")
+    legend = " ".join(f"{letter} {kind}" for kind, letter in ROUND_LETTERS.items())
+    lines.append(f"  first reply's rounds ({legend}): " + "".join(letters))
     return "\n".join(lines)
 
 
@@ -258,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             print(phased(engine, lambda: together(model, engine, requests)))
             if name == "served":
                 print(lone_bands(engine))
+                print(tallied(engine, lambda: together(model, engine, requests)))
             dump = args.dump / f"{streams}-{name}.prof" if args.dump else None
             if dump is not None:
                 dump.parent.mkdir(parents=True, exist_ok=True)
