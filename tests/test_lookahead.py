@@ -221,33 +221,3 @@ def test_a_lone_stream_the_lone_guard_runs_plain_looks_up_copies_unless_bare_and
         assert not sources and ahead > 20
     else:  # copies land, and each one starts the undrafted count over
         assert sources == {"copy"} and ahead < 20
-
-
-def test_a_stream_whose_drafter_stands_aside_runs_ahead_between_copies_when_it_peeks_and_wastes_no_step(monkeypatch):
-    from tensorfold_core.lanes.engine import AHEAD_PEEK_ENV, Engine
-    from tensorfold_core.lanes.stream import Stream
-    from tensorfold_core.lanes.types import TokenEvent
-
-    model, tokenizer, _ = load_model("tiny-llama")
-    # code: copies land now and then, with the drafter's plain rounds between them
-    prompt = tokenizer.encode("def total(items):\n    result = 0\n    for item in items:\n        result += item\n"
-                              "    return result\n\n\ndef largest(items):\n")
-    seen = {}
-    for peek in ("0", "1", "plain"):
-        monkeypatch.setenv(AHEAD_PEEK_ENV, "1" if peek == "1" else "0")
-        engine = Engine(model, shared_rounds=True, drafter=start_drafter("tiny-llama-drafter", model, tokenizer),
-                        timed=True)
-        engine.planner.lone.drafted = lambda stream, band: False  # the lone guard's verdict in every band: plain
-        events, limit = [], len(prompt) + 120
-        request = GenerationRequest(prompt_ids=prompt, max_tokens=120, draft=peek != "plain")
-        engine.add(Stream(id=0, request=request, cache=model.new_cache(limit), on_event=events.append, limit=limit))
-        while not engine.idle():
-            engine.round()
-        ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
-        copies = engine.counters.by_source.get("copy", [0, 0, 0])[2]  # the tokens copies gave
-        seen[peek] = (ids, copies, engine.ahead.used, engine.ahead.peeked)
-    assert seen["0"][0] == seen["1"][0] == seen["plain"][0] and len(seen["plain"][0]) == 120
-    (_, copies_off, ahead_off, peeked_off), (_, copies_on, ahead_on, peeked_on) = seen["0"], seen["1"]
-    assert copies_off >= 20 and copies_on >= 0.8 * copies_off  # the copies still land (their depths are timed)
-    assert ahead_on >= ahead_off + 5 and peeked_off == 0  # the rounds between them run ahead now
-    assert peeked_on >= 1  # and a step a copy would replace is built, never queued

@@ -44,24 +44,6 @@ def test_the_copy_proposer_copies_from_the_streams_own_context_first_then_recall
     assert CopyProposer().propose([DraftAsk(1, [40, 41, 6, 7], 2)]) == [[]]  # without kept states: none
 
 
-def test_the_copy_proposers_peek_says_whether_its_next_proposal_copies_and_changes_none_of_them():
-    rng = random.Random(3)
-    kept = [[rng.randrange(6) for _ in range(40)]]
-    peeking, proposing = CopyProposer(lambda: kept), CopyProposer(lambda: kept)
-    tokens, said = [], []
-    for step in range(300):
-        tokens.append(rng.randrange(6))
-        if step % 37 == 5:  # a rejected copy silences both for a while
-            peeking.observe(0, 2, 0)
-            proposing.observe(0, 2, 0)
-        peeked = peeking.would_copy(0, tokens)
-        proposed = peeking.propose([DraftAsk(0, tokens, 3)])
-        assert proposed == proposing.propose([DraftAsk(0, tokens, 3)])  # as if never peeked
-        assert peeked == bool(proposed[0])
-        said.append(peeked)
-    assert any(said) and not all(said)  # both answers given: silenced rounds and copies
-
-
 def test_the_copy_proposer_lists_the_kept_states_once_a_round_whatever_its_streams():
     listed = []
     kept = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6]]

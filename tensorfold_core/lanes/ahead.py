@@ -53,7 +53,6 @@ class Lookahead:
         self.used = 0  # steps taken from the device as queued (tests and figures)
         self.closed = 0  # steps queued and then closed unkept (the next round was another, or a stream left)
         self.held = 0  # rounds that could have run ahead but did not, since a stream in them may draft next
-        self.peeked = 0  # steps built but never queued: the host's read of their round found a copy to verify next
 
     def eligible(self, turns: Sequence) -> bool:
         """Every window is one pending token that draws greedily, with no drafts, and the stream goes on after it."""
@@ -74,11 +73,9 @@ class Lookahead:
         self._close(launched)
         return None
 
-    def launch(self, turns: Sequence, logits: mx.array, tokens: mx.array | None = None,
-               queue: bool = True) -> mx.array:
+    def launch(self, turns: Sequence, logits: mx.array, tokens: mx.array | None = None) -> mx.array:
         """Queue this round and its greedy ids (`tokens`, or made here), keep each window's one row, and queue the
-        next step on those ids; returns them for `confirm` (the host's draws must equal them). `queue=False` builds
-        the step without queueing it: `queue_built` or `drop` decides once the host has read this round's ids."""
+        next step on those ids; returns them for `confirm` (the host's draws must equal them)."""
         tokens = greedy_ids(logits) if tokens is None else tokens
         caches = [t.stream.cache for t in turns]
         kept = [a for cache in caches for a in self.model.keep_later(cache, 1)]
@@ -87,21 +84,9 @@ class Lookahead:
             ahead = self.model.forward_ids(caches, tokens, [1] * len(caches), [1] * len(caches))
         except ValueError:  # a step the model refuses (a cache at its capacity): the next round runs in step
             return tokens
-        if queue:
-            mx.async_eval(ahead)
+        mx.async_eval(ahead)
         self.launched = Launched(caches, tokens, ahead)
         return tokens
-
-    def queue_built(self) -> None:
-        """Queue the step `launch(queue=False)` built."""
-        if self.launched is not None:
-            mx.async_eval(self.launched.logits)
-
-    def drop_built(self) -> None:
-        """Close the step `launch(queue=False)` built, never run: the next round carries a copy it would not."""
-        if self.launched is not None:
-            self.peeked += 1
-            self.drop()
 
     def confirm(self, draws: list[int], tokens: mx.array, drawn_from_tokens: bool = False) -> None:
         """The host's draws for the launching round: the queued step stands only where they equal its ids (at once

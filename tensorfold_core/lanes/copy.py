@@ -104,15 +104,6 @@ class CopyProposer:
             out.append(copy)
         return out
 
-    def would_copy(self, stream_id: int, tokens: Sequence[int]) -> bool:
-        """Whether `propose` would offer the stream a copy after `tokens`, asked now and changing nothing it reads (a
-        round that may run ahead asks it of its next token before queueing the step a copy would replace)."""
-        index = self.indexes.setdefault(stream_id, CopyIndex())
-        index.update(tokens)  # as `propose` will index them: every n-gram that ends before the newest token
-        if index.silent_rounds > 0:
-            return False
-        return bool(index.lookup(tokens, 1) or (self.recall is not None and self.recall.lookup(tokens, 1)))
-
     def source(self, stream_id: int) -> str:
         """Where the stream's last copy came from (CONTEXT or RECALL)."""
         return self.sources.get(stream_id, CONTEXT)

@@ -34,10 +34,6 @@ AHEAD_AFTER_UNDRAFTED_SHARED = 1
 # run judges it) a code reply's copy rounds keep starting its undrafted count over, so little of the stretch runs
 # ahead (docs/speculation.md)
 LONE_PLAIN_BARE_ENV = "TENSORFOLD_LONE_PLAIN_BARE"
-# "1": a round whose streams' drafters have stood aside (the rule of 3) but whose copies have not builds its next step
-# before the host reads it and queues it after, once the read's ids show no copy next round; by default such a round
-# is held in step (docs/speculation.md)
-AHEAD_PEEK_ENV = "TENSORFOLD_AHEAD_PEEK"
 
 
 @dataclass
@@ -94,8 +90,6 @@ class Engine:
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
         self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
-        self._drafterless: dict[int, int] = {}  # the same, a copy's drafts counted as none
-        self.ahead_peek = os.environ.get(AHEAD_PEEK_ENV, "0") == "1"
         self.lone_plain_bare = os.environ.get(LONE_PLAIN_BARE_ENV, "0") == "1"
 
     def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
@@ -159,13 +153,6 @@ class Engine:
             return False
         after = self.ahead_after_undrafted_shared if shared else self.ahead_after_undrafted
         return after is None or self._undrafted.get(stream.id, 0) < after
-
-    def _copies_next_only(self, stream: Stream, shared: bool = False) -> bool:
-        """Whether only a copy is likely to give the stream's next window drafts: its drafter stood aside for the
-        rule's rounds, though copies came between (a copy is known once the next token is: `ahead_peek`)."""
-        after = self.ahead_after_undrafted_shared if shared else self.ahead_after_undrafted
-        return (self.ahead_peek and self.copy_drafts and after is not None
-                and self._drafterless.get(stream.id, 0) >= after)
 
     def plan(self) -> list[Turn]:
         """Every decoding stream's pending token and drafts, plus prompt chunks up to one chunk's rows."""
@@ -323,18 +310,12 @@ class Engine:
             ids = greedy_ids(logits) if self._reads_ids(group) else None
             self.id_rounds += ids is not None
             # streams that will likely draft next round do not run ahead: a step their drafts replace is wasted
-            peek, shared = False, len(group) > 1
             if ahead and self.ahead.eligible(group):
-                if not any(self._drafts_next(t.stream, shared) for t in group):
+                if not any(self._drafts_next(t.stream, len(group) > 1) for t in group):
                     tokens = self.ahead.launch(group, logits, ids)  # each window's row kept: the next step is queued
-                elif ids is not None and all(self._copies_next_only(t.stream, shared) for t in group):
-                    tokens = self.ahead.launch(group, logits, ids, queue=False)  # queued below, where no copy comes
-                    peek = True
                 else:
                     self.ahead.held += 1
             rows = np.array(logits if ids is None else ids, copy=False)
-            if peek:
-                self._queue_unless_copies(group, rows)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
             for turn in group:
@@ -375,14 +356,6 @@ class Engine:
             self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
 
-    def _queue_unless_copies(self, group: list[Turn], ids) -> None:
-        """Queue the built next step unless a stream's next token (this round's greedy id) finds it a copy, which
-        the next round verifies instead: a copy's rounds are kept and the step is never run for nothing."""
-        if any(self.copy.would_copy(t.stream.id, [*t.stream.tokens, int(i)]) for t, i in zip(group, ids)):
-            self.ahead.drop_built()
-        else:
-            self.ahead.queue_built()
-
     def _keep(self, cache, rows: int) -> list:
         """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a
         keep of its own is a host wait on the device a stream), else kept at once."""
@@ -415,8 +388,6 @@ class Engine:
     def _count(self, turn: Turn, accepted: int) -> None:
         sid = turn.stream.id
         self._undrafted[sid] = 0 if turn.drafts else self._undrafted.get(sid, 0) + 1
-        by_drafter = turn.drafts and turn.source not in ("copy", "recall")
-        self._drafterless[sid] = 0 if by_drafter else self._drafterless.get(sid, 0) + 1
         stats = turn.stream.stats
         stats.rounds += 1
         stats.drafted += len(turn.drafts)
@@ -429,7 +400,6 @@ class Engine:
         self.ahead.drop()  # a queued step for a leaving stream is closed before its state goes back
         self.streams.pop(stream.id, None)
         self._undrafted.pop(stream.id, None)
-        self._drafterless.pop(stream.id, None)
         self.copy.release(stream.id)
         self.planner.leave(stream.id)
         if self.drafter is not None:

@@ -153,7 +153,7 @@ def tallied(engine, run) -> str:
         return seen["guards"]
 
     def named_round():
-        seen["guards"], used, held, peeked = None, engine.ahead.used, engine.ahead.held, engine.ahead.peeked
+        seen["guards"], used, held = None, engine.ahead.used, engine.ahead.held
         undrafted = dict(engine._undrafted)
         went = engine_round()
         turns = [t for t in seen["turns"] if t.draws]
@@ -171,8 +171,6 @@ def tallied(engine, run) -> str:
             kind = "guarded" if seen["guards"] is False else "none"
         if engine.ahead.launched is not None:
             then = "queued the next"
-        elif engine.ahead.peeked > peeked:
-            then = "built the next, dropped: a copy"
         elif engine.ahead.held > held:
             counts = sorted({undrafted.get(t.stream.id, 0) for t in turns})
             then = "held: undrafted " + "/".join(map(str, counts))
