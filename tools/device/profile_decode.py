@@ -177,9 +177,9 @@ def tallied(engine, run) -> str:
         else:
             then = "in step"
         rows[(kind, then)] += 1
-        first = min((t.stream.id for t in seen["turns"]), default=None)
-        if first is not None and (not letters or seen.get("first") == first):
-            seen["first"] = first
+        ids = {t.stream.id for t in seen["turns"]}
+        seen.setdefault("first", min(ids, default=None))  # the stream of the run's first round
+        if seen["first"] in ids:
             letters.append(ROUND_LETTERS[kind])
         return went
 
