@@ -250,15 +250,18 @@ def main() -> int:
     modes = args.modes.split(",")
     if len(set(modes)) != len(modes):
         raise SystemExit(f"--modes names a mode twice ({args.modes}): use --rounds to run each more than once")
+    def kept(runs):  # before any check, after each child: a cut or failed call keeps the raw results it got
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(runs, indent=1))
+
     runs, failed = interleaved(modes, args.rounds, lambda mode: kernel_mode_child(
         __file__, mode, args.target, args.drafter, "--depth", str(args.depth), "--tokens", str(args.tokens),
         "--prompts", str(args.prompts), "--streams", ",".join(map(str, args.streams)),
         *(["--mlx-lm"] if args.mlx_lm else []),
-        *(["--served-depth", str(args.served_depth)] if args.served_depth is not None else [])))
+        *(["--served-depth", str(args.served_depth)] if args.served_depth is not None else [])), kept)
     modes = list(runs)
-    if args.json:  # before any check: a run that took minutes keeps its raw results even when a check fails
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(runs, indent=1))
+    kept(runs)  # the modes that ran, the failed ones left out
     for mode in modes:  # every round's ids equal its first's: a mode's tokens never depend on when it ran
         for n, r in enumerate(runs[mode][1:], 1):
             for i, (p, q) in enumerate(zip(runs[mode][0]["prompts"], r["prompts"])):

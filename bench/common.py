@@ -308,12 +308,12 @@ def fail_if_any(failures: list[BenchMismatch]) -> None:
         raise BenchMismatch(f"{failures[0]}{more}")
 
 
-def interleaved(modes: list[str], rounds: int, run) -> tuple[dict[str, list[dict]], dict[str, str]]:
+def interleaved(modes: list[str], rounds: int, run, kept=None) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """`run(mode)` for every mode, `rounds` times, each round starting one mode later; a mode whose run fails (a
     launch the device refuses) is left out of every later round and named with why (a FAIL line), and the others go
     on, so that one call to the device still brings back their figures. None running is a failure of its own. Each
     run's end is noted on stderr (no figures: those wait for every check), so a run cut at its cap says how far it
-    got."""
+    got, and `kept(runs)` is handed the raw results so far (a bench's --json), which a cut run keeps."""
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     failed: dict[str, str] = {}
     for n in range(rounds):
@@ -329,6 +329,8 @@ def interleaved(modes: list[str], rounds: int, run) -> tuple[dict[str, list[dict
                 continue
             print(f"ran {mode}, round {n + 1} of {rounds}, in {time.perf_counter() - start:.0f} s", file=sys.stderr,
                   flush=True)
+            if kept is not None:
+                kept(runs)
     if len(failed) == len(modes):
         raise BenchMismatch("no mode ran")
     return {mode: r for mode, r in runs.items() if mode not in failed}, failed

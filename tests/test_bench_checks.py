@@ -276,8 +276,11 @@ def test_a_mode_that_cannot_run_is_named_and_left_out_while_the_others_run_every
             raise BenchMismatch("mode table:w32: the child failed: too many resources requested for launch")
         return {"mode": mode}
 
-    runs, failed = interleaved(["table", "table:w32", "table:u1"], 3, run)
+    counts = []
+    runs, failed = interleaved(["table", "table:w32", "table:u1"], 3, run,
+                               lambda so_far: counts.append(sum(len(r) for r in so_far.values())))
     assert list(runs) == ["table", "table:u1"] and all(len(r) == 3 for r in runs.values())
+    assert counts == [1, 2, 3, 4, 5, 6]  # the raw results so far, kept after each run, as a cut run leaves them
     assert list(failed) == ["table:w32"] and "too many resources" in failed["table:w32"]
     assert calls.count("table:w32") == 1  # never retried
     assert calls[:3] == ["table", "table:w32", "table:u1"] and calls[3:5] == ["table:u1", "table"]  # rounds rotate
