@@ -250,6 +250,7 @@ def main() -> int:
     modes = args.modes.split(",")
     if len(set(modes)) != len(modes):
         raise SystemExit(f"--modes names a mode twice ({args.modes}): use --rounds to run each more than once")
+
     def kept(runs):  # before any check, after each child: a cut or failed call keeps the raw results it got
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

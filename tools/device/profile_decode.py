@@ -156,9 +156,9 @@ def tallied(engine, run) -> str:
         seen["guards"], used, held = None, engine.ahead.used, engine.ahead.held
         undrafted = dict(engine._undrafted)
         went = engine_round()
-        turns = [t for t in seen["turns"] if t.draws]
         if not went:
             return went
+        turns = [t for t in seen["turns"] if t.draws]
         if engine.ahead.used > used:
             kind = "ahead"
         elif not turns:
