@@ -209,3 +209,72 @@ def test_a_whole_forward_traces_a_key_at_its_second_meeting_unless_told_to_trace
         model.forward([model.new_cache(64) for _ in range(2)], [[7, 8], [9]], [1, 1])
     assert (len(served.whole.compiled), len(served.whole.met)) == (0, 1)  # met once, run from Python
     assert (len(first.whole.compiled), len(first.whole.met)) == (1, 0)
+
+
+def test_conv_tails_kept_as_views_of_a_round_give_the_logits_caches_and_kept_states_of_copies_with_fewer_stacks(
+        through_records, monkeypatch):
+    from tensorfold_lfm2 import streams
+    from tensorfold_lfm2.cache import TAIL_VIEWS_ENV
+
+    stacks = []
+
+    class CountingStacks:  # streams.py's mx, its stacks counted
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def stack(self, arrays, *args, **kwargs):
+            stacks.append(len(arrays))
+            return mx.stack(arrays, *args, **kwargs)
+
+    monkeypatch.setattr(streams, "mx", CountingStacks())
+    model, tokenizer, _ = load_model("tiny-lfm2", BF16)
+    # the prompts (28 rows: copied), one row a stream (viewed, then read as one slice), a drafted round kept in
+    # part (rows apart: stacked next), three streams of four, then the fourth back beside them
+    rounds = [(ragged(tokenizer, 4), None), ([[7], [8], [9], [10]], None), ([[11]] * 4, None), ([[12]] * 4, None),
+              ([[13, 14, 15]] * 4, 2), ([[16]] * 4, None), ([[17]] * 4, None), ([[18]] * 3, None), ([[19]] * 4, None)]
+    logits, caches, counts = {}, {}, {}
+    for views in ("1", "0"):
+        monkeypatch.setenv(TAIL_VIEWS_ENV, views)
+        caches[views] = [model.new_cache(64) for _ in range(4)]
+        logits[views], stacks[:] = [], []
+        for windows, kept in rounds:
+            logits[views].append(model.forward(caches[views][:len(windows)], windows, [len(w) for w in windows]))
+            for cache, window in zip(caches[views], windows):
+                model.keep(cache, kept or len(window))
+        counts[views] = len(stacks)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(logits["1"], logits["0"], strict=True))
+    assert_same_caches(caches["1"], caches["0"])
+    # with views a stack only for the prompts, the first one-row round, after the drafted round and at the fourth
+    # stream's return; without, every round
+    assert counts == {"0": len(rounds), "1": 4}
+    assert caches["1"][0].tail_row is not None and caches["0"][0].tail_row is None
+    states = {views: model.snapshot(caches[views][0]) for views in caches}
+    resumed = {views: model.restore(states[views], 64) for views in caches}
+    ours, theirs = (model.forward([resumed[v]], [[20, 21]], [2]) for v in ("1", "0"))
+    assert mx.array_equal(ours, theirs).item()
+
+
+def test_streams_with_conv_tails_kept_as_views_reply_as_with_copies_with_rounds_ahead_drafts_and_joins(
+        through_records, monkeypatch):
+    import random
+
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.testing import Run
+    from tensorfold_lfm2.cache import TAIL_VIEWS_ENV
+
+    model, _, _ = load_model("tiny-lfm2", BF16)
+    rng = random.Random(6)
+    phrase = [rng.randrange(6, 300) for _ in range(5)]
+    requests = [GenerationRequest(prompt_ids=[rng.randrange(6, 300) for _ in range(3 + 2 * i)] + phrase * (i % 3),
+                                  max_tokens=6 + 3 * i, draft=i % 2 == 0) for i in range(6)]
+    replies = {}
+    for views in ("1", "0"):
+        monkeypatch.setenv(TAIL_VIEWS_ENV, views)
+        run = Run(model, 4, lookahead=True)  # six streams, four at a time: joins and leaves
+        for sid, request in enumerate(requests):
+            run.submit(sid, request)
+        run.finish()
+        replies[views] = [run.tokens(sid) for sid in range(len(requests))]
+        assert run.engine.ahead.used > 0
+    assert replies["1"] == replies["0"]
+    assert [len(r) for r in replies["1"]] == [request.max_tokens for request in requests]
