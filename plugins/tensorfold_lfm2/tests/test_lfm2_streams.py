@@ -228,7 +228,7 @@ def test_conv_tails_kept_as_views_of_a_round_give_the_logits_caches_and_kept_sta
 
     monkeypatch.setattr(streams, "mx", CountingStacks())
     model, tokenizer, _ = load_model("tiny-lfm2", BF16)
-    # the prompts (28 rows: copied), one row a stream (viewed, then read as one slice), a drafted round kept in
+    # the prompts (22 rows: copied), one row a stream (viewed, then read as one slice), a drafted round kept in
     # part (rows apart: stacked next), three streams of four, then the fourth back beside them
     rounds = [(ragged(tokenizer, 4), None), ([[7], [8], [9], [10]], None), ([[11]] * 4, None), ([[12]] * 4, None),
               ([[13, 14, 15]] * 4, 2), ([[16]] * 4, None), ([[17]] * 4, None), ([[18]] * 3, None), ([[19]] * 4, None)]
