@@ -110,7 +110,7 @@ def test_a_stream_one_round_past_its_last_drafts_holds_a_shared_round_back_no_lo
 
     model = load_model("tiny-llama")[0]
     run = Run(model, 1, lookahead=True)
-    # its copies land in some rounds and find nothing in runs of others (rounds 5-10 of this reply hold none)
+    # its copies land in some rounds and find nothing in others (five rounds in a row hold none in this reply)
     run.submit(0, GenerationRequest(prompt_ids=list(range(40, 60)), max_tokens=40))
     run.step()
     engine = run.engine
