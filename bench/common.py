@@ -224,8 +224,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "maxt2": {"TENSORFOLD_GEMV_MAXT": "2"},
             "conv-spans": {"TENSORFOLD_WHOLE_CONV_SPANS": "1"}, "unpadded": {"TENSORFOLD_WHOLE_PAD_ROWS": "0"},
             "trace-first": {"TENSORFOLD_WHOLE_TRACE_AFTER": "0"},
-            "lazy-catch-up": {"TENSORFOLD_DSPARK_LAZY_CATCH_UP": "1"},
-            "lone-bare": {"TENSORFOLD_LONE_PLAIN_BARE": "1"}, "tail-views": {"TENSORFOLD_TAIL_VIEWS": "1"}}
+            "lazy-catch-up": {"TENSORFOLD_DSPARK_LAZY_CATCH_UP": "1"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:

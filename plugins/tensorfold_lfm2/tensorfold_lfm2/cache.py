@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from tensorfold_core.families import WINDOW_SLACK, grown
 from tensorfold_core.protocols import TappedRows
-
-TAIL_VIEWS_ENV = "TENSORFOLD_TAIL_VIEWS"  # "1": a small round's conv tails kept as views of its stacked tails
-VIEW_ROWS = 16  # the most rows a round may have for its tails to stay views (each view keeps the round's tails)
 
 
 @dataclass(frozen=True)
@@ -88,11 +84,6 @@ class HybridCache:
         # or, where the stream conv record served the window, the tail each row leaves [rows, conv_tail, conv_dim]
         # ([rows, conv_layers, conv_tail, conv_dim] where stacked)
         self.states: list[mx.array | None] = [None] * conv_count
-        # where TENSORFOLD_TAIL_VIEWS=1: the last streams forward's stacked tails and this window's first row there,
-        # then, once committed, the row the tail is a view of (streams.stacked_tails reads consecutive ones as a slice)
-        self.tail_views = stacked and os.environ.get(TAIL_VIEWS_ENV, "0") == "1"
-        self.round_tails: tuple[mx.array, int] | None = None
-        self.tail_row: tuple[mx.array, int] | None = None
         self.kept_conv: dict[int, tuple[mx.array, ...]] = {}  # chunk mark -> conv tails there
         self.asked: set[int] = set()  # token counts to keep conv tails at, besides every `marks`
         self.tapped: mx.array | None = None  # the last window's tapped rows, while the model taps layers
@@ -122,17 +113,15 @@ class HybridCache:
         end = self.offset + k.shape[2]
         return self.keys[slot][..., :end, :], self.values[slot][..., :end, :]
 
-    def store_window(self, k: mx.array, v: mx.array, tails: mx.array, start: int) -> None:
+    def store_window(self, k: mx.array, v: mx.array, states: mx.array | None) -> None:
         """A stacked cache's window of every layer at offset..: keys and values [rows, attention_layers, kv_heads,
-        head_dim], and from the forward's stacked tails [all rows, conv_layers, conv_tail, conv_dim] the tail each
-        of its rows leaves, its first row at `start`."""
+        head_dim], and the tail each row leaves in every conv layer [rows, conv_layers, conv_tail, conv_dim]."""
         if self.keys:
             end = self.offset + k.shape[0]
             self.keys[0][:, :, self.offset:end, :] = k.transpose(1, 2, 0, 3)
             self.values[0][:, :, self.offset:end, :] = v.transpose(1, 2, 0, 3)
         if self.conv:
-            self.states[0] = tails[start:start + k.shape[0]]
-            self.round_tails = (tails, start) if self.tail_views and tails.shape[0] <= VIEW_ROWS else None
+            self.states[0] = states
 
     def conv_input(self, slot: int, gated: mx.array) -> mx.array:
         """The conv layer's input for the window: its committed tail, then the window's gated rows [1, n, dim]."""
@@ -162,11 +151,8 @@ class HybridCache:
             self.kept_conv[mark] = tails(mark - self.offset)
             marked.extend(self.kept_conv[mark])
         self.asked -= passed
-        if windowed and self.round_tails is not None and rows:  # no copy a stream: the round's row, viewed
-            round_tails, start = self.round_tails
-            self.conv, self.tail_row = [round_tails[start + rows - 1]], (round_tails, start + rows - 1)
-        elif windowed and rows:
-            self.conv, self.tail_row = list(tails(rows)), None
+        if windowed:
+            self.conv = list(tails(rows))
         if self.tapped is not None and rows:
             if not self.staged:
                 self.staged_from = self.offset
@@ -177,7 +163,6 @@ class HybridCache:
         self.window = None
         self.inputs = [None] * len(self.conv)
         self.states = [None] * len(self.conv)
-        self.round_tails = None
         return [*self.keys, *self.values, *self.conv, *marked]  # what keep() evaluates to cut the graph
 
     def take_taps(self) -> TappedRows | None:

@@ -30,19 +30,7 @@ def conv_streams(spans: Sequence[Span]) -> ConvStreams:
         rows = [(s, start) for s, (start, n) in enumerate(layout) for _ in range(n)]
         # an abs of the host's copy: the map lives in device memory, not in the managed memory host arrays take
         rowmap = _ROWMAPS[layout] = mx.abs(mx.array(np.array(rows, np.int32).reshape(-1, 2)))
-    return stacked_tails([cache for _, _, cache, _ in spans]), layout, rowmap
-
-
-def stacked_tails(caches: Sequence) -> mx.array:
-    """The caches' conv tails stacked [streams, conv_layers, tail, dim]: a slice where they are consecutive rows of
-    one forward's tails, as a round of one row a stream leaves them under TENSORFOLD_TAIL_VIEWS=1 (MLX's stack copies
-    each tail on its own, a launch a stream on CUDA)."""
-    rows = [cache.tail_row for cache in caches]
-    if rows[0] is not None:
-        tails, first = rows[0]
-        if all(row is not None and row[0] is tails and row[1] == first + i for i, row in enumerate(rows)):
-            return tails[first:first + len(rows)]
-    return mx.stack([cache.conv[0] for cache in caches])
+    return mx.stack([cache.conv[0] for _, _, cache, _ in spans]), layout, rowmap
 
 
 def run_layers(layers: Sequence[nn.Module], slots: Sequence[int], parts: Sequence[tuple], stack_kv, h: mx.array,
@@ -128,6 +116,6 @@ def forward_streams(model, h: mx.array, spans: Sequence[Span], positions: mx.arr
     # stored after the last layer's attention has read the caches, so each buffer is updated in place
     keys, values = mx.depends([keys, values], [h])
     for start, n, cache, _ in spans:
-        cache.store_window(keys[start:start + n], values[start:start + n], states, start)
+        cache.store_window(keys[start:start + n], values[start:start + n], states[start:start + n])
     return h if h.shape[0] == rows else h[:rows]
 
