@@ -29,11 +29,6 @@ AHEAD_AFTER_UNDRAFTED = 3
 # drafts: on the H200 at 8 streams the rule of 3 ran 86 of 131 rounds ahead against plain's 119 of 135, for 9 drafted
 # windows of 967 (docs/performance.md, fifth visit)
 AHEAD_AFTER_UNDRAFTED_SHARED = 1
-# "1": while the lone guard runs a lone stream plain it looks up no copies either, so after the rule of 3 its plain
-# stretch runs ahead as plain does and drafting is judged against plain's rate; with copies (the default until a GPU
-# run judges it) a code reply's copy rounds keep starting its undrafted count over, so little of the stretch runs
-# ahead (docs/speculation.md)
-LONE_PLAIN_BARE_ENV = "TENSORFOLD_LONE_PLAIN_BARE"
 
 
 @dataclass
@@ -90,7 +85,6 @@ class Engine:
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
         self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
-        self.lone_plain_bare = os.environ.get(LONE_PLAIN_BARE_ENV, "0") == "1"
 
     def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
         """Time the target's forwards for shared rounds of up to `parallel` streams (a timed engine that may draft:
@@ -256,9 +250,9 @@ class Engine:
                                          else turn.drafts)
 
     def _runs_plain(self, facts) -> bool:
-        """Whether a guard runs this round's band plain, where the planner drafts nothing: the shared guard, or with
-        TENSORFOLD_LONE_PLAIN_BARE=1 the lone guard for one stream (asked as the planner will ask it, copy or not)."""
-        if self.fixed_depth is not None or (len(self._asked) == 1 and not self.lone_plain_bare):
+        """Whether the shared guard runs this round's band plain, where the planner drafts nothing (a lone stream
+        the lone guard runs plain still looks up copies: they are worth more than running its stretch ahead)."""
+        if self.fixed_depth is not None or len(self._asked) == 1:
             return False
         asks = [Ask(t.stream.id, 0, len(t.stream.tokens), t.stream.request.sampling.greedy) for t in self._asked]
         return not self.planner.guards_draft(asks, facts)
