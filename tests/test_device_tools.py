@@ -1,5 +1,5 @@
-"""The GPU steps' small tools run here too: the load-time tool, the decode profile and the guard trace, each on the
-tiny pair."""
+"""The GPU steps' small tools run here too: the load-time tool, the decode profile, the guard trace and the launch
+times, each on the tiny pair."""
 
 from __future__ import annotations
 
@@ -95,3 +95,13 @@ def test_the_guard_trace_logs_each_measured_round_and_the_verdict_that_follows_t
     assert all(word.startswith("p2/") for word in first[:17])
     assert first[17:20] == ["|2", "streams:", "plain"] and first[22:24] == ["-", "->"]
     assert first[24] in ("drafted", "plain") and first[25] in ("measure", "run")
+
+
+def test_the_launch_time_tool_times_a_step_s_phases_idle_and_busy_at_each_stream_count_its_ids_equal():
+    done = subprocess.run([sys.executable, str(TOOLS / "launch_time.py"), "tiny-lfm2", "--streams", "1,3", "--steps",
+                           "6", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^\s+(\d) +(idle|busy) +([\d. ]+?)\s+([\d.]+)$", done.stdout, re.M)
+    assert [row[:2] for row in rows] == [("1", "idle"), ("1", "busy"), ("3", "idle"), ("3", "busy")]
+    assert all(len(row[2].split()) == 5 and float(row[3]) > 0 for row in rows)  # every phase, then tok/s
+    assert "the busy loop's equal the idle loop's" in done.stdout
