@@ -78,6 +78,21 @@ def test_penalties_and_bias_follow_the_openai_and_vllm_rules():
     assert np.array_equal(stage.process(row, [300]), RowStage([20, 21], VOCAB, PENALTIES).process(row, [30, 30, 300, 300]))
 
 
+def test_a_stage_without_penalties_keeps_no_counts_and_each_penalty_alone_counts_the_prompt_and_commits():
+    row = np.linspace(-2, 2, VOCAB).astype(np.float32)
+    bias_only = RowStage([20, 21], VOCAB, Penalties(bias=((7, 3.0),)))
+    bias_only.commit([30, 30, 300])
+    assert bias_only.counts.size == bias_only.seen.size == 0  # a plain stream's commit touches no vocabulary array
+    out = bias_only.process(row)
+    assert out[7] == pytest.approx(row[7] + 3.0) and np.array_equal(np.delete(out, 7), np.delete(row, 7))
+    for penalty, at_30 in ((Penalties(frequency=0.7), row[30] - 2 * 0.7), (Penalties(presence=0.5), row[30] - 0.5),
+                           (Penalties(repetition=1.4), row[30] * 1.4)):
+        stage = RowStage([20, 21], VOCAB, penalty)
+        stage.commit([30, 30, 300])
+        assert stage.process(row)[30] == pytest.approx(at_30)
+        assert stage.seen[20] and stage.counts[20] == 0  # the prompt is seen, never counted
+
+
 def test_a_grammar_masks_each_row_and_cuts_the_drafts_it_refuses(digits):
     grammar, tokenizer = digits
     stage = RowStage(PROMPT, VOCAB, grammar=grammar)

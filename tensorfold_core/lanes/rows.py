@@ -67,9 +67,12 @@ class RowStage:
         self.penalties = penalties
         self.logprobs = logprobs  # None: none; k: the drawn token's and the k most likely ids
         self.constraint: Constraint | None = grammar.matcher(vocab_size) if grammar is not None else None
-        self.counts = np.zeros(vocab_size, dtype=np.int64)  # the reply's tokens
-        self.seen = np.zeros(vocab_size, dtype=bool)  # the prompt's and the reply's tokens
-        self.seen[self._ids(prompt)] = True
+        # only the penalties read them: a stage without keeps no vocabulary-sized arrays and commits no counts
+        self.counting = penalties.repetition != 1.0 or bool(penalties.presence or penalties.frequency)
+        self.counts = np.zeros(vocab_size if self.counting else 0, dtype=np.int64)  # the reply's tokens
+        self.seen = np.zeros(vocab_size if self.counting else 0, dtype=bool)  # the prompt's and the reply's tokens
+        if self.counting:
+            self.seen[self._ids(prompt)] = True
         self._bias_ids = np.array([i for i, _ in penalties.bias if 0 <= i < vocab_size], dtype=np.int64)
         self._bias = np.array([b for i, b in penalties.bias if 0 <= i < vocab_size], dtype=np.float64)
 
@@ -89,7 +92,7 @@ class RowStage:
         if self._bias_ids.size:
             np.add.at(out, self._bias_ids, self._bias)
         p = self.penalties
-        if p.repetition != 1.0 or p.presence or p.frequency:
+        if self.counting:
             counts, seen = self.counts, self.seen
             if len(before):
                 counts, seen, ids = counts.copy(), seen.copy(), self._ids(before)
@@ -143,9 +146,10 @@ class RowStage:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The stream committed `tokens`: they join its reply's counts and advance its grammar."""
-        ids = self._ids(tokens)
-        np.add.at(self.counts, ids, 1)
-        self.seen[ids] = True
+        if self.counting:
+            ids = self._ids(tokens)
+            np.add.at(self.counts, ids, 1)
+            self.seen[ids] = True
         if self.constraint is not None:
             for token in tokens:
                 self.constraint.consume(token)
