@@ -13,7 +13,7 @@ import openai
 from common import (CODE_PROMPTS, MODEL, blas_env, complete, first_difference, median, platform_lines,
                     random_prompts, server, spread, table, tokenize)
 
-MODES = {  # name: (serve flags, the requests' draft field)
+MODES = {  # name: (serve flags, the requests' draft field); main() names --drafter's checkpoint where given
     "drafted": ((), True),
     "plain": (("--drafter", "none"), False),
 }
@@ -28,7 +28,7 @@ class Request:
 
 def workload(name: str, args) -> list[Request]:
     if name == "code":
-        return [Request(p, 0.0, None) for p in tokenize(CODE_PROMPTS)]
+        return [Request(p, 0.0, None) for p in tokenize(CODE_PROMPTS, args.model)]
     if name == "random":
         prompts = random_prompts(args.random_prompts, args.random_len, seed=args.random_seed)
         return [Request(p, args.temperature, 1000 + i) for i, p in enumerate(prompts)]
@@ -37,7 +37,14 @@ def workload(name: str, args) -> list[Request]:
 
 def send(client, request: Request, tokens: int, draft: bool) -> dict:
     return complete(client, request.prompt, tokens, temperature=request.temperature, seed=request.seed, draft=draft,
-                    stream=False)
+                    stream=False, model=client.served)
+
+
+def connect(url: str) -> openai.OpenAI:
+    """A client of the server at `url`, knowing the model id it answers to (a directory serves under its own)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
+    client.served = client.models.list().data[0].id
+    return client
 
 
 def batch(level: int, wave: int, count: int) -> list[int]:
@@ -48,18 +55,18 @@ def batch(level: int, wave: int, count: int) -> list[int]:
 def one_by_one(mode: str, requests: list[Request], args) -> list[list[int]]:
     """Every request sent alone (one after another) to a fresh server of `mode`: their token ids."""
     flags, draft = MODES[mode]
-    with server(MODEL, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
+    with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
                 env=blas_env(args.blas)) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
+        client = connect(url)
         return [send(client, r, args.tokens, draft)["ids"] for r in requests]
 
 
 def cell(mode: str, level: int, requests: list[Request], args) -> dict:
     """A fresh server of `mode`; `args.waves` waves of `level` concurrent requests; replies and aggregate rate."""
     flags, draft = MODES[mode]
-    with server(MODEL, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
+    with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
                 env=blas_env(args.blas)) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
+        client = connect(url)
         warm = requests[-1]
         send(client, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
         replies, tokens, seconds = [], 0, 0.0
@@ -146,6 +153,9 @@ def run_workload(name: str, args) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=MODEL, help="the served checkpoint: a zoo name or a directory")
+    parser.add_argument("--drafter", default=None,
+                        help="the drafted cells' drafter (a zoo name or a directory); default: the model's own default")
     parser.add_argument("--levels", default="1,2,4,8", help="comma list of concurrent stream counts")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
@@ -167,6 +177,8 @@ def main() -> int:
     if not (args.alone or args.serial):
         parser.error("--no-alone with --no-serial would quote rates for replies nothing checked")
     args.levels = [int(n) for n in args.levels.split(",")]
+    if args.drafter is not None:
+        MODES["drafted"] = (("--drafter", args.drafter), True)
     print("\n".join(platform_lines(args.blas)))
     print("a fresh server per cell (--parallel = the most streams); drafted and plain cells alternate; medians of "
           f"{args.reps} reps")

@@ -311,3 +311,16 @@ def test_drafts_by_source_reads_a_servers_draft_tokens_offered_and_kept_by_propo
     assert set(grew) <= {"copy", "recall", shipped.host.drafter.name}
     assert sum(o for o, _ in grew.values()) == usage["drafted"] > 0
     assert sum(k for _, k in grew.values()) == usage["accepted"]
+
+
+def test_the_concurrent_bench_serves_a_model_directory_and_a_drafter_over_http_with_every_reply_checked_first():
+    from tensorfold_core.loading import resolve_model
+
+    directory = str(resolve_model("tiny-lfm2"))  # served under its own id, which the bench asks the server for
+    done = subprocess.run([sys.executable, "bench_concurrent.py", "--model", directory, "--drafter",
+                           "tiny-lfm2-dspark", "--levels", "2", "--tokens", "8", "--reps", "1", "--waves", "1",
+                           "--no-alone", "--dtype", "float32"], capture_output=True, text=True, cwd=BENCH, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "token ids checked (--serial) before any rate is quoted" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 2 "))
+    assert row.split("|")[2].strip() == "equal"  # the lfm2 pair's replies, each as its request alone, undrafted
