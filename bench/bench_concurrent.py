@@ -13,7 +13,7 @@ import openai
 from common import (CODE_PROMPTS, MODEL, blas_env, complete, first_difference, median, platform_lines,
                     random_prompts, server, spread, table, tokenize)
 
-MODES = {  # name: (serve flags, the requests' draft field); main() names --drafter's checkpoint where given
+MODES = {  # name: (serve flags, the requests' draft field); `--drafter` replaces the drafted cells' flags
     "drafted": ((), True),
     "plain": (("--drafter", "none"), False),
 }
@@ -35,16 +35,21 @@ def workload(name: str, args) -> list[Request]:
     raise SystemExit(f"unknown workload {name!r} (code, random)")
 
 
-def send(client, request: Request, tokens: int, draft: bool) -> dict:
+def send(client, model: str, request: Request, tokens: int, draft: bool) -> dict:
     return complete(client, request.prompt, tokens, temperature=request.temperature, seed=request.seed, draft=draft,
-                    stream=False, model=client.served)
+                    stream=False, model=model)
 
 
-def connect(url: str) -> openai.OpenAI:
-    """A client of the server at `url`, knowing the model id it answers to (a directory serves under its own)."""
+def connect(url: str) -> tuple[openai.OpenAI, str]:
+    """A client of the server at `url` and the model id it answers to (a directory serves under its own)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=1200)
-    client.served = client.models.list().data[0].id
-    return client
+    return client, client.models.list().data[0].id
+
+
+def mode_flags(mode: str, args) -> tuple[tuple[str, ...], bool]:
+    """The mode's serve flags and draft field, the drafted cells serving `--drafter` where it names one."""
+    flags, draft = MODES[mode]
+    return (("--drafter", args.drafter) if draft and args.drafter is not None else flags), draft
 
 
 def batch(level: int, wave: int, count: int) -> list[int]:
@@ -54,27 +59,27 @@ def batch(level: int, wave: int, count: int) -> list[int]:
 
 def one_by_one(mode: str, requests: list[Request], args) -> list[list[int]]:
     """Every request sent alone (one after another) to a fresh server of `mode`: their token ids."""
-    flags, draft = MODES[mode]
+    flags, draft = mode_flags(mode, args)
     with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
                 env=blas_env(args.blas)) as url:
-        client = connect(url)
-        return [send(client, r, args.tokens, draft)["ids"] for r in requests]
+        client, model = connect(url)
+        return [send(client, model, r, args.tokens, draft)["ids"] for r in requests]
 
 
 def cell(mode: str, level: int, requests: list[Request], args) -> dict:
     """A fresh server of `mode`; `args.waves` waves of `level` concurrent requests; replies and aggregate rate."""
-    flags, draft = MODES[mode]
+    flags, draft = mode_flags(mode, args)
     with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
                 env=blas_env(args.blas)) as url:
-        client = connect(url)
+        client, model = connect(url)
         warm = requests[-1]
-        send(client, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
+        send(client, model, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
         replies, tokens, seconds = [], 0, 0.0
         with ThreadPoolExecutor(level) as pool:
             for wave in range(args.waves):
                 which = batch(level, wave, len(requests))
                 start = time.perf_counter()
-                got = list(pool.map(lambda i: send(client, requests[i], args.tokens, draft), which))
+                got = list(pool.map(lambda i: send(client, model, requests[i], args.tokens, draft), which))
                 seconds += time.perf_counter() - start
                 tokens += sum(len(r["ids"]) for r in got)
                 replies += [(i, r) for i, r in zip(which, got)]
@@ -177,8 +182,6 @@ def main() -> int:
     if not (args.alone or args.serial):
         parser.error("--no-alone with --no-serial would quote rates for replies nothing checked")
     args.levels = [int(n) for n in args.levels.split(",")]
-    if args.drafter is not None:
-        MODES["drafted"] = (("--drafter", args.drafter), True)
     print("\n".join(platform_lines(args.blas)))
     print("a fresh server per cell (--parallel = the most streams); drafted and plain cells alternate; medians of "
           f"{args.reps} reps")

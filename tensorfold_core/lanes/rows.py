@@ -22,8 +22,13 @@ class Penalties:
     bias: tuple[tuple[int, float], ...] = ()
 
     @property
+    def counting(self) -> bool:
+        """Whether a penalty reads which tokens came before (all but the bias)."""
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+    @property
     def active(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.bias)
+        return self.counting or bool(self.bias)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class RowStage:
         self.logprobs = logprobs  # None: none; k: the drawn token's and the k most likely ids
         self.constraint: Constraint | None = grammar.matcher(vocab_size) if grammar is not None else None
         # only the penalties read them: a stage without keeps no vocabulary-sized arrays and commits no counts
-        self.counting = penalties.repetition != 1.0 or bool(penalties.presence or penalties.frequency)
+        self.counting = penalties.counting
         self.counts = np.zeros(vocab_size if self.counting else 0, dtype=np.int64)  # the reply's tokens
         self.seen = np.zeros(vocab_size if self.counting else 0, dtype=bool)  # the prompt's and the reply's tokens
         if self.counting:

@@ -55,7 +55,7 @@ def decode_steps(model, streams: int, steps: int, busy: bool, context: int = 64)
             times[phase].append(1000 * ms)
     if busy:
         drawn.append(np.array(previous))
-    return {phase: statistics.median(values[4:]) for phase, values in times.items()}, [ids.tolist() for ids in drawn]
+    return {phase: statistics.median(values[4:]) for phase, values in times.items()}, [step.tolist() for step in drawn]
 
 
 def main() -> int:
