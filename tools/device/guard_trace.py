@@ -6,7 +6,8 @@ Each pass decodes the same N code prompts at once on a plain engine, then on the
 pass, as a server keeps one), checks the served replies equal the plain ones, and prints both rates with the
 guard's log: `p8/5.1` a plain round of 8 streams that committed 8 tokens in 5.1 ms, `D37/8.9` a drafted one, `*` a
 round in the mode the guard did not ask for, `+` one during which a compiled trace was made, `~` one that ran a
-forward from Python for a key met too few times to trace, `@5` the stream count from that round on, and each
+forward from Python for a key met too few times to trace, `^` one whose forward was queued a round ahead
+(taken from the lookahead's step), `@5` the stream count from that round on, and each
 verdict between bars (each mode's rate in tokens a ms, the mode it runs next, and for how many rounds). Then each
 engine's rounds tallied by kind (prompt chunks, traced, each guard's modes) and the served rounds' phases (plan,
 catch-up, chain, the rest) for the pass's first rounds and its slow ones. Drafted rounds far slower than their
@@ -30,11 +31,18 @@ def traced_guard(log: list[str]) -> dict:
     the served engine: "kind" the last round a guard observed (shared drafted, shared plain or lone), "phases" each
     timed round's plan/catch-up/chain/rest ms, "streams" the last logged stream count."""
     from tensorfold_core import traces
+    from tensorfold_core.lanes.ahead import Lookahead
     from tensorfold_core.lanes.guards import DraftPlanner, LoneGuard, SharedGuard
     from tensorfold_core.row_kernels.modules import KeyCompiled
 
     observe, verdict, get, lone = SharedGuard.observe, SharedGuard._next, KeyCompiled.get, LoneGuard.observe
-    seen = {"untraced": 0, "at": (traces.count(), 0), "kind": None, "streams": None, "phases": []}
+    take = Lookahead.take
+    seen = {"untraced": 0, "at": (traces.count(), 0), "kind": None, "streams": None, "phases": [], "ahead": False}
+
+    def noted_take(self, turns):
+        logits = take(self, turns)
+        seen["ahead"] = logits is not None
+        return logits
 
     def counted_get(self, key, make):
         compiled = get(self, key, make)
@@ -45,6 +53,7 @@ def traced_guard(log: list[str]) -> dict:
         unasked = "*" if drafted != self._band(streams).drafted else ""
         now = (traces.count(), seen["untraced"])
         marks = ("+" if now[0] != seen["at"][0] else "") + ("~" if now[1] != seen["at"][1] else "")
+        marks += "^" if seen["ahead"] else ""
         count = f"@{streams}" if streams != seen["streams"] else ""
         seen["at"], seen["streams"] = now, streams
         log.append(f"{'D' if drafted else 'p'}{unasked}{tokens}/{ms:.1f}{marks}{count}")
@@ -64,6 +73,7 @@ def traced_guard(log: list[str]) -> dict:
                    f"{'drafted' if entry.drafted else 'plain'} {'run' if entry.running else 'measure'} {entry.run}|")
 
     SharedGuard.observe, SharedGuard._next, KeyCompiled.get = logged_observe, logged_verdict, counted_get
+    Lookahead.take = noted_take
     LoneGuard.observe = lone_observe
     timed_round = DraftPlanner._time
 
