@@ -88,6 +88,10 @@ def server(model: str | None, *flags: str, env: dict | None = None, timeout: flo
     try:
         wait_up(proc, log, url, timeout)
         yield url
+    except Exception:  # a request the server failed (a 500 says "its log holds the cause"): show that log
+        log.seek(0)
+        print(f"the server's log (its last 4000 characters):\n{log.read()[-4000:]}", file=sys.stderr)
+        raise
     finally:
         proc.terminate()
         try:

@@ -1,5 +1,5 @@
-"""The GPU steps' small tools run here too: the load-time tool, the decode profile, the guard trace and the launch
-times, each on the tiny pair."""
+"""The GPU steps' small tools run here too: the load-time tool, the decode profile, the guard trace, the launch
+times and slots kept full, each on the tiny pair."""
 
 from __future__ import annotations
 
@@ -107,3 +107,42 @@ def test_the_launch_time_tool_times_a_step_s_phases_idle_and_busy_at_each_stream
     assert [row[:2] for row in rows] == [("1", "idle"), ("1", "busy"), ("3", "idle"), ("3", "busy")]
     assert all(len(row[2].split()) == 5 and float(row[3]) > 0 for row in rows)  # every phase, then tok/s
     assert "the busy loop's equal the idle loop's" in done.stdout
+
+
+def test_slots_kept_full_admit_a_request_as_a_stream_leaves_and_answer_each_as_it_would_be_answered_alone():
+    sys.path.insert(0, str(TOOLS))
+    from kept_full import kept_full
+
+    from tensorfold_core.lanes.engine import Engine
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.loading import load_model
+
+    model = load_model("tiny-llama")[0]
+    # replies of different lengths, so streams leave at different rounds and the queue refills them one by one
+    requests = [GenerationRequest(prompt_ids=list(range(40 + i, 52 + i)), max_tokens=6 + 3 * i) for i in range(5)]
+    engine, most = Engine(model), 0
+    step = engine.round
+
+    def counted_round():
+        nonlocal most
+        most = max(most, len(engine.streams))
+        return step()
+
+    engine.round = counted_round
+    ids, seconds = kept_full(model, engine, requests, slots=2)
+    alone = [kept_full(model, Engine(model), [request], slots=1)[0][0] for request in requests]
+    assert ids == alone and [len(i) for i in ids] == [r.max_tokens for r in requests]
+    assert most == 2 and seconds > 0
+
+
+def test_the_kept_full_tool_checks_the_served_replies_then_prints_both_rates_and_the_guard_s_bands():
+    models = resolve_model("tiny-llama").parent
+    done = subprocess.run([sys.executable, str(TOOLS / "kept_full.py"), str(models / "tiny-llama"),
+                           str(models / "tiny-llama-drafter"), "--slots", "2", "--requests", "5", "--tokens", "12",
+                           "--passes", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "5 requests of 12 tokens through 2 slots kept full"
+    assert [line.split(":")[0] for line in lines[1:]] == ["pass 0", "pass 1"]
+    rates = r"plain [\d.]+ tok/s, served [\d.]+ tok/s \([\d.]+x\); served drafted windows \d+; 2 streams: "
+    assert all(re.search(rates, line) for line in lines[1:])

@@ -1,0 +1,100 @@
+"""Slots kept full: a queue of requests fed to one engine as its streams leave, plain against served, every served
+reply's ids equal to the plain one's before any rate prints.
+
+    python3 tools/device/kept_full.py TARGET DRAFTER [--slots 8] [--requests 32] [--tokens 128] [--passes 3]
+
+A wave of N requests at once (bench_gpu_pair's streams cells, guard_trace.py) ends with its slowest reply: the
+streams whose drafts land finish early, and the ones whose drafts do not are left decoding at two or three streams,
+one token a round, through rounds the others' drafts made dearer. A server's slots are refilled as replies end, so
+its rate is the rounds' own; this keeps `--slots` streams running from a queue of `--requests` (the code prompts,
+cycled) until the queue is empty, one engine a mode for every pass (the first pass builds every kernel and shape and
+teaches the guards, as a server's first requests do). Prints each pass's rates, the served engine's drafted windows
+and the shared guard's verdicts by band. Run it through `run_on_h200.sh exec` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+
+def kept_full(model, engine, requests, slots: int) -> tuple[list[list[int]], float]:
+    """The requests through one engine, at most `slots` at once, each next one admitted as a stream leaves: each
+    reply's ids, and the wall seconds until the last one ended."""
+    from tensorfold_core.lanes.stream import Stream
+    from tensorfold_core.lanes.types import TokenEvent
+
+    events: list[list] = [[] for _ in requests]
+    waiting = list(range(len(requests)))
+    start = time.perf_counter()
+    while waiting or not engine.idle():
+        while waiting and len(engine.streams) < slots:
+            i = waiting.pop(0)
+            limit = len(requests[i].prompt_ids) + requests[i].max_tokens
+            engine.add(Stream(id=i, request=requests[i], cache=model.new_cache(limit), on_event=events[i].append,
+                              limit=limit))
+        engine.round()
+    seconds = time.perf_counter() - start
+    return [[t for e in got if isinstance(e, TokenEvent) for t in e.token_ids] for got in events], seconds
+
+
+def verdicts(engine) -> str:
+    """The shared guard's bands: each one's mode, whether it runs or measures, and its two rates in tokens a ms."""
+    rate = lambda r: "-" if r is None else f"{r:.2f}"
+    # SharedGuard.band's inverse: the stream counts a band's key stands for
+    counts = lambda key: f"{2 ** (key - 1) + 1}-{2 ** key}" if key > 1 else str(key + 1)
+    bands = sorted(engine.planner.shared._bands.items())
+    mode = lambda b: f"{'drafted' if b.drafted else 'plain'} {'run' if b.running else 'measure'}"
+    return ", ".join(f"{counts(key)} streams: {mode(b)} (plain {rate(b.rates[False])}, drafted {rate(b.rates[True])})"
+                     for key, b in bands) or "no shared rounds"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from common import CODE_PROMPTS
+
+    from tensorfold_core.lanes.engine import Engine
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.loading import load_target, start_drafter
+    from tensorfold_core.options import ServeOptions
+    from tensorfold_core.specs import DrafterOptions
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target")
+    parser.add_argument("drafter")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--passes", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    target = load_target(args.target, ServeOptions())
+    drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
+    model = target.model
+    prompts = [target.tokenizer.encode(p) for p in CODE_PROMPTS]
+    requests = lambda: [GenerationRequest(prompt_ids=prompts[i % len(prompts)], max_tokens=args.tokens,
+                                          stop_token_ids=frozenset()) for i in range(args.requests)]
+    plain = Engine(model, shared_rounds=target.row_invariant)
+    served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
+    served.time_rows(args.slots)  # as a server of that many slots primes its shared rounds' costs
+    print(f"{args.requests} requests of {args.tokens} tokens through {args.slots} slots kept full")
+    for n in range(args.passes):
+        plain_ids, plain_s = kept_full(model, plain, requests(), args.slots)
+        before = served.counters.drafts
+        served_ids, served_s = kept_full(model, served, requests(), args.slots)
+        differ = next((i for i, (a, b) in enumerate(zip(plain_ids, served_ids)) if a != b), None)
+        if differ is not None:
+            print(f"pass {n}: request {differ}'s served reply differs from its plain one", file=sys.stderr)
+            return 1
+        tokens = sum(map(len, served_ids))
+        print(f"pass {n}: plain {tokens / plain_s:.1f} tok/s, served {tokens / served_s:.1f} tok/s "
+              f"({plain_s / served_s:.2f}x); served drafted windows {served.counters.drafts - before}; "
+              f"{verdicts(served)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
