@@ -138,27 +138,6 @@ def test_a_drafted_run_that_falls_below_the_plain_rate_stops_after_16_rounds_and
     assert not guard.drafted(2) and guard.run_length(2) == 512
 
 
-def test_a_drafted_run_whose_last_16_rounds_lose_stops_though_its_early_wins_keep_its_whole_rate_above_plain():
-    guard = SharedGuard()
-    run_shared(guard, 17 + 5)
-    run_shared(guard, 100, drafted=(12, 15.0))  # a reply's copies landing: 0.8 tokens a ms against plain's 0.2
-    # then they dry up: 2 tokens in 15 ms; the run's decayed rate would stay above plain's for 180 rounds
-    spans = runs(run_shared(guard, 100, drafted=(2, 15.0)))
-    assert spans == [(True, 15), (False, 85)]
-    # the verdict after plain's measure weighs the run's last rounds, not its early wins: plain runs
-    assert not guard.drafted(2) and guard.plain_rounds_left(2) > 0
-
-
-def test_a_drafted_run_whose_rounds_vary_runs_its_whole_length_while_every_16_of_them_beat_plain():
-    guard, modes = SharedGuard(), []
-    run_shared(guard, 17 + 5)
-    for i in range(512):  # one round in four lands a long copy: every 16 rounds hold four of them
-        mode = guard.drafted(2)
-        guard.observe(2, mode, *(((9, 15.0) if i % 4 == 0 else (2, 15.0)) if mode else (2, 10.0)))
-        modes.append(mode)
-    assert runs(modes) == [(True, 512)]
-
-
 def test_a_drafted_run_above_the_plain_rate_runs_its_whole_length():
     guard = SharedGuard()
     run_shared(guard, 17 + 5)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -22,9 +21,7 @@ SHARED_MEASURE_DRAFTED = 4  # measured rounds that give a band of stream counts 
 SHARED_RUN = 512  # rounds the faster mode runs before the other one is measured again
 SHARED_RUN_GROWTH = 64  # a mode that keeps winning runs up to this many times SHARED_RUN
 # measured rounds after which a drafted run whose rate has fallen below plain's stops, and both are measured again:
-# a 4-round measure can pick drafting by chance, and a run of 512 rounds would pay for it (the law: drafts only help);
-# the run's last this many rounds are judged too, since a reply's copies land early and dry up later, and the run's
-# decayed rate would keep its early wins for a hundred rounds after its rounds began to lose
+# a 4-round measure can pick drafting by chance, and a run of 512 rounds would pay for it (the law: drafts only help)
 SHARED_RUN_CHECK = 16
 LONE_STRETCH = 16  # measured rounds in a lone stream's drafted stretch (and in a plain one taken to compare)
 LONE_FIRST_WAIT = 16  # plain rounds after a lost stretch before drafting is measured again
@@ -78,16 +75,9 @@ class _CountBand:
         self.drafted = False  # it starts plain
         self.running = False  # False: measuring `drafted`; True: running the winner
         self.stretch = _Stretch()
-        self.last: deque[tuple[int, float]] = deque(maxlen=SHARED_RUN_CHECK)  # the stretch's last rounds' tokens, ms
         self.rates: dict[bool, float | None] = {False: None, True: None}
         self.winner: bool | None = None
         self.run = run
-
-    @property
-    def last_rate(self) -> float:
-        """Committed tokens per wall ms over the stretch's last SHARED_RUN_CHECK measured rounds."""
-        ms = sum(ms for _, ms in self.last)
-        return sum(tokens for tokens, _ in self.last) / ms if ms > 0 else math.inf
 
 
 class SharedGuard:
@@ -145,7 +135,6 @@ class SharedGuard:
             # drafts after plain rounds first catch up what those rounds committed: a switch's cost, once, that a
             # 4-round stretch would read as drafting's; a run's long stretch pays its catch-up like any other time
             entry.stretch.add(tokens, ms if entry.running else ms - catch_up)
-            entry.last.append((tokens, ms if entry.running else ms - catch_up))
         done = (entry.stretch.rounds >= entry.run or self._losing(entry) if entry.running
                 else entry.stretch.measured >= self.measure[entry.drafted])
         if done:
@@ -153,18 +142,14 @@ class SharedGuard:
 
     @staticmethod
     def _losing(entry: _CountBand) -> bool:
-        """A drafted run whose own rate, or its last rounds' rate, over enough rounds, is below the plain rate it was
-        chosen against."""
+        """A drafted run whose own rate, over enough rounds, is below the plain rate it was chosen against."""
         plain = entry.rates[False]
         return (entry.drafted and plain is not None and entry.stretch.measured >= SHARED_RUN_CHECK
-                and min(entry.stretch.rate, entry.last_rate) < plain)
+                and entry.stretch.rate < plain)
 
     def _next(self, entry: _CountBand) -> None:
         if entry.stretch.measured:
-            # a drafted run is remembered by the lower of its rates: one stopped for losing lately must not win the
-            # next verdict on the early rounds it won
-            lower = entry.drafted and entry.running and entry.stretch.measured >= SHARED_RUN_CHECK
-            entry.rates[entry.drafted] = min(entry.stretch.rate, entry.last_rate) if lower else entry.stretch.rate
+            entry.rates[entry.drafted] = entry.stretch.rate
         other = not entry.drafted
         if entry.running or entry.rates[other] is None:  # measure the other mode (again)
             self._set(entry, other, running=False)
@@ -177,7 +162,6 @@ class SharedGuard:
     @staticmethod
     def _set(entry: _CountBand, drafted: bool, running: bool) -> None:
         entry.drafted, entry.running, entry.stretch = drafted, running, _Stretch()
-        entry.last.clear()
 
 
 @dataclass
