@@ -26,6 +26,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
+def band_streams(key: int) -> str:
+    """The stream counts a shared guard's band key stands for: SharedGuard.band's inverse ("2", "3-4", "5-8")."""
+    return f"{2 ** (key - 1) + 1}-{2 ** key}" if key > 1 else str(key + 1)
+
+
 def traced_guard(log: list[str]) -> dict:
     """Log every round the shared guard observes and every verdict it reaches into `log`. The returned dict follows
     the served engine: "kind" the last round a guard observed (shared drafted, shared plain or lone), "phases" each
@@ -67,7 +72,7 @@ def traced_guard(log: list[str]) -> dict:
     def logged_verdict(self, entry):
         verdict(self, entry)
         key = next(k for k, e in self._bands.items() if e is entry)
-        streams = f"{2 ** (key - 1) + 1}-{2 ** key}" if key > 1 else str(key + 1)  # SharedGuard.band's inverse
+        streams = band_streams(key)
         rate = lambda r: "-" if r is None else f"{r:.2f}"
         log.append(f"|{streams} streams: plain {rate(entry.rates[False])} drafted {rate(entry.rates[True])} -> "
                    f"{'drafted' if entry.drafted else 'plain'} {'run' if entry.running else 'measure'} {entry.run}|")

@@ -44,13 +44,13 @@ def kept_full(model, engine, requests, slots: int) -> tuple[list[list[int]], flo
 
 def verdicts(engine) -> str:
     """The shared guard's bands: each one's mode, whether it runs or measures, and its two rates in tokens a ms."""
+    from guard_trace import band_streams
+
     rate = lambda r: "-" if r is None else f"{r:.2f}"
-    # SharedGuard.band's inverse: the stream counts a band's key stands for
-    counts = lambda key: f"{2 ** (key - 1) + 1}-{2 ** key}" if key > 1 else str(key + 1)
-    bands = sorted(engine.planner.shared._bands.items())
     mode = lambda b: f"{'drafted' if b.drafted else 'plain'} {'run' if b.running else 'measure'}"
-    return ", ".join(f"{counts(key)} streams: {mode(b)} (plain {rate(b.rates[False])}, drafted {rate(b.rates[True])})"
-                     for key, b in bands) or "no shared rounds"
+    bands = [f"{band_streams(key)} streams: {mode(b)} (plain {rate(b.rates[False])}, drafted {rate(b.rates[True])})"
+             for key, b in sorted(engine.planner.shared._bands.items())]
+    return ", ".join(bands) or "no shared rounds"
 
 
 def main(argv: list[str] | None = None) -> int:
