@@ -104,6 +104,13 @@ def test_a_drafter_preset_refuses_a_target_that_was_not_inflated_before_writing(
     assert "not an inflated target" in capsys.readouterr().err and not out.exists()
 
 
+def test_a_self_check_this_python_cannot_run_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorfold_core", None)  # as on a machine that has MLX but not tensorfold
+    out = tmp_path / "target"
+    assert inflate_lfm2.main(["--preset", "lfm2-1b", "--out", str(out)]) == 2
+    assert "cannot import" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("name", sorted(inflate_lfm2.PRESETS))
 def test_every_preset_is_a_shape_the_rule_reaches(name):
     preset = inflate_lfm2.PRESETS[name]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import shutil
 import sys
@@ -339,10 +340,22 @@ def inflated_target(path: Path) -> dict:
     return config
 
 
+def checks_here() -> None:
+    """Refuse, before writing gigabytes, a self-check that cannot run: it decodes through tensorfold_core."""
+    try:
+        importlib.import_module("tensorfold_core")
+    except ImportError:
+        raise InflateError("the self-check decodes through tensorfold_core, which this Python cannot import: install "
+                           "tensorfold, run through contract/receipts/run_on_h200.sh exec, or pass --no-check"
+                           ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     preset = PRESETS[args.preset]
     try:
+        if not args.no_check:
+            checks_here()
         source = resolve(preset.model)
         target = None if preset.layer_types else inflated_target(args.target)
         started = time.perf_counter()
