@@ -122,8 +122,10 @@ def tallied(engine, seen: dict, tally: dict):
     return timed
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench_gpu_pair import together
+def served_pair(target_dir: str, drafter_dir: str, slots: int, tokens: int, count: int):
+    """The pair loaded as `serve` loads it: the model, a plain engine, a served one whose shared rounds' costs are
+    primed for `slots` streams as a server's are, and a maker of `count` greedy requests of `tokens` over the code
+    prompts."""
     from common import CODE_PROMPTS
 
     from tensorfold_core.lanes.engine import Engine
@@ -131,6 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     from tensorfold_core.loading import load_target, start_drafter
     from tensorfold_core.options import ServeOptions
     from tensorfold_core.specs import DrafterOptions
+
+    target = load_target(target_dir, ServeOptions())
+    drafter = start_drafter(drafter_dir, target.model, target.tokenizer, DrafterOptions())
+    prompts = [target.tokenizer.encode(p) for p in CODE_PROMPTS]
+    requests = lambda: [GenerationRequest(prompt_ids=prompts[i % len(prompts)], max_tokens=tokens,
+                                          stop_token_ids=frozenset()) for i in range(count)]
+    plain = Engine(target.model, shared_rounds=target.row_invariant)
+    served = Engine(target.model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
+    served.time_rows(slots)
+    return target.model, plain, served, requests
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench_gpu_pair import together
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target")
@@ -141,16 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2500, help="characters of each pass's log printed")
     args = parser.parse_args(argv)
 
-    target = load_target(args.target, ServeOptions())
-    drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
-    model, log = target.model, []
+    model, plain, served, requests = served_pair(args.target, args.drafter, args.streams, args.tokens, args.streams)
+    log = []
     seen, tally = traced_guard(log), {}
-    requests = lambda: [GenerationRequest(prompt_ids=target.tokenizer.encode(CODE_PROMPTS[i % len(CODE_PROMPTS)]),
-                                          max_tokens=args.tokens, stop_token_ids=frozenset())
-                        for i in range(args.streams)]
-    plain = Engine(model, shared_rounds=target.row_invariant)
-    served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
-    served.time_rows(args.streams)  # as a server of that many slots primes its shared rounds' costs
     plain_tally = {}
     plain.round, served.round = tallied(plain, seen, plain_tally), tallied(served, seen, tally)
     for n in range(args.passes):  # the first pass builds every kernel and shape, and the guard's first verdicts

@@ -54,13 +54,7 @@ def verdicts(engine) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common import CODE_PROMPTS
-
-    from tensorfold_core.lanes.engine import Engine
-    from tensorfold_core.lanes.types import GenerationRequest
-    from tensorfold_core.loading import load_target, start_drafter
-    from tensorfold_core.options import ServeOptions
-    from tensorfold_core.specs import DrafterOptions
+    from guard_trace import served_pair
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target")
@@ -71,15 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args(argv)
 
-    target = load_target(args.target, ServeOptions())
-    drafter = start_drafter(args.drafter, target.model, target.tokenizer, DrafterOptions())
-    model = target.model
-    prompts = [target.tokenizer.encode(p) for p in CODE_PROMPTS]
-    requests = lambda: [GenerationRequest(prompt_ids=prompts[i % len(prompts)], max_tokens=args.tokens,
-                                          stop_token_ids=frozenset()) for i in range(args.requests)]
-    plain = Engine(model, shared_rounds=target.row_invariant)
-    served = Engine(model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
-    served.time_rows(args.slots)  # as a server of that many slots primes its shared rounds' costs
+    model, plain, served, requests = served_pair(args.target, args.drafter, args.slots, args.tokens, args.requests)
     print(f"{args.requests} requests of {args.tokens} tokens through {args.slots} slots kept full")
     for n in range(args.passes):
         plain_ids, plain_s = kept_full(model, plain, requests(), args.slots)
