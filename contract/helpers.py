@@ -56,6 +56,17 @@ def kernel_array(values, dtype) -> "mx.array":
     return flat if host.ndim == 1 else flat.reshape(host.shape)
 
 
+def kept_array(values, dtype) -> "mx.array":
+    """kernel_array, evaluated now: for a constant a cache keeps past the call that made it."""
+    import mlx.core as mx
+
+    # MLX's streams are per thread: an unevaluated view made on the loading thread fails when the server's engine
+    # thread evaluates it ("There is no Stream(gpu, 0) in current thread")
+    array = kernel_array(values, dtype)
+    mx.eval(array)
+    return array
+
+
 def int_array(values):
     """A small int32 mx.array of sizes a kernel reads (rows, columns, …), in a buffer of its own (kernel_array)."""
     return kernel_array(values, np.int32)

@@ -97,6 +97,8 @@ class Prepared:
 
     def _plan(self, x, arrays) -> tuple:
         """(kernel, input names, made inputs, launch arguments); kernel None: call through `call` each time."""
+        import mlx.core as mx
+
         source, served = self.implementation, ServedCall(x.shape[0], self.dims, arrays)
         launch = source.launch(served)
         inputs = source.inputs(served)
@@ -106,6 +108,7 @@ class Prepared:
                                                                  for name in (self.row_input, *self.per_call)):
             return None, (), (), {}
         made = [None if name is not None else array for name, array in zip(slots, inputs)]
+        mx.eval([array for array in made if array is not None])  # kept for every later call, on any thread (kept_array)
         return (_kernel(self.kind, source, launch.dynamic_shared), slots, made,
                 dict(template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
                      output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes)))

@@ -12,7 +12,7 @@ from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, S
     oversize_threadgroup, swap, variant
 
 from .attention_sources import CUDA, METAL
-from tensorfold_contract.helpers import EPS32, WIDEST, kernel_array, mx_dtype, rounded
+from tensorfold_contract.helpers import EPS32, WIDEST, kept_array, mx_dtype, rounded
 from tensorfold_contract.kernel_text import build as build_kernel
 
 SPLIT = 256  # keys a split: split s holds the absolute positions s*SPLIT .. s*SPLIT+SPLIT-1, whatever the call
@@ -136,7 +136,7 @@ def _kernel_inputs(q, k, v, offset: int, scale: float, window: int | None) -> li
 
 @functools.lru_cache(maxsize=64)
 def _scale(scale: float):
-    return kernel_array([scale], np.float32)
+    return kept_array([scale], np.float32)
 
 
 _BUILT: dict = {}

@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from tensorfold_contract.helpers import kernel_array
+from tensorfold_contract.helpers import kept_array
 
 from .. import traces
 from ..kernels import RECORDS_KIND
@@ -247,7 +247,7 @@ class RecordNorm(Served):
 
         super().__init__()
         self.inner = inner  # the norm's weight stays its own, under `inner`
-        eps = kernel_array([inner.eps], "float32")
+        eps = kept_array([inner.eps], "float32")
         implementation = record.implementations[kind]
 
         def prepared(dtype: mx.Dtype) -> Prepared:  # one a dtype: the record's dims name the activation dtype

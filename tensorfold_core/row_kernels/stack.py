@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from tensorfold_contract import Control, KernelRecord, Launch, Shape, Source, oversize_threadgroup, swap, variant
-from tensorfold_contract.helpers import groups, int_array, mx_dtype, rounded, row_scales
+from tensorfold_contract.helpers import groups, int_array, kept_array, mx_dtype, rounded, row_scales
 from tensorfold_contract.kernel_text import build as build_kernel, narrowed, select_chain
 
 THREADS = 256
@@ -171,7 +171,7 @@ def served_stack(kind: str):
         pad = slots - len(keys)
         dims = made.get(("dims", rows, kv * d))
         if dims is None:
-            dims = made[("dims", rows, kv * d)] = int_array([rows, kv * d])
+            dims = made[("dims", rows, kv * d)] = kept_array([rows, kv * d], np.int32)
         ks, vs = kernel(inputs=[*keys, *keys[:1] * pad, *values, *values[:1] * pad, dims],
                         template=list(plan.template), grid=plan.grid, threadgroup=plan.threadgroup,
                         output_shapes=list(plan.output_shapes), output_dtypes=list(plan.output_dtypes))

@@ -7,7 +7,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from tensorfold_contract.helpers import kernel_array
+from tensorfold_contract.helpers import kept_array
 
 from tensorfold_core.families import swiglu
 from tensorfold_core.kernels import STACK_KV_ENV, STREAMS_ENV, records_served, unused
@@ -86,7 +86,7 @@ class ServedMoe(Served):
                   for name in ("gate_proj", "up_proj", "down_proj")}
         dims = {"experts": experts, "top_k": inner.top_k, "norm": inner.norm_topk_prob,
                 "scale": inner.routed_scaling_factor, "bias": "expert_bias" in inner}
-        scale = kernel_array([inner.routed_scaling_factor], "float32")
+        scale = kept_array([inner.routed_scaling_factor], "float32")
 
         def route(logits: mx.array) -> tuple[mx.array, mx.array]:
             arrays = {"logits": logits, "scale": scale}

@@ -17,7 +17,7 @@ import numpy as np
 
 from tensorfold_contract import Control, Finding, KernelRecord, Launch, Shape, Source, Tolerance, \
     oversize_threadgroup, swap, variant
-from tensorfold_contract.helpers import EPS32, kernel_array, mx_dtype, rounded
+from tensorfold_contract.helpers import EPS32, kept_array, mx_dtype, rounded
 from tensorfold_contract.kernel_text import build as build_kernel
 from tensorfold_core.row_kernels.attention import GROUPS, SPLIT, STALE, THREADS, VMAX
 
@@ -104,7 +104,7 @@ def _geometry(rows: int, heads: int, dim: int) -> Launch:
 @functools.lru_cache(maxsize=256)
 def _small(values: tuple, dtype: str):
     """A small array a call reads (dims, scale), made once for every layer's call of a hold."""
-    return kernel_array(values, dtype)
+    return kept_array(values, dtype)
 
 
 def _kernel_inputs(q, context_keys, context_values, n: int, block_keys, block_values, scale: float) -> list:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tensorfold_contract.helpers import (BF16_ULP, DTYPES, EPS32, WIDEST, bf16, groups, int_array,  # noqa: F401
-                                         mx_dtype, rounded, row_scales, spacing)
+                                         kept_array, mx_dtype, rounded, row_scales, spacing)
 
 # The sizes the lfm2 families serve: the shipped tiny models (models/*/config.json: tiny-lfm2 and tiny-lfm2-moe share
 # hidden 256 and conv_L_cache 3; the MoE routes 8 experts, top 2, normalised, scale 1) and the public checkpoints

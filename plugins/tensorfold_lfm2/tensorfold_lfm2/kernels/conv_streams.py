@@ -12,7 +12,7 @@ from tensorfold_contract import Control, KernelRecord, Launch, Shape, Source, ov
 from tensorfold_contract.kernel_text import build as build_kernel, served_text
 
 from . import conv
-from .common import DTYPES, LFM2_1B, TINY_LFM2, WIDEST, groups, int_array, mx_dtype, rounded
+from .common import DTYPES, LFM2_1B, TINY_LFM2, WIDEST, groups, int_array, kept_array, mx_dtype, rounded
 
 THREADS = conv.THREADS
 LAYERS = 2  # conv layers of the contract's stacked tails: the call reads the last, the first is NaN
@@ -172,7 +172,7 @@ def _prepared(bx: tuple, tails: tuple, w: tuple, rowmap: tuple, layer: int, dtyp
     """A call's dims (the row count and the layer move them) and launch arguments, its shapes checked."""
     _check(bx, tails, w, rowmap, layer)
     launch = _geometry(bx[0], w[0], w[1], dtype, bias)
-    return int_array([bx[0], w[0], tails[1], layer]), dict(
+    return kept_array([bx[0], w[0], tails[1], layer], np.int32), dict(
         template=list(launch.template), grid=launch.grid, threadgroup=launch.threadgroup,
         output_shapes=list(launch.output_shapes), output_dtypes=list(launch.output_dtypes))
 
