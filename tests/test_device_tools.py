@@ -129,10 +129,15 @@ def test_slots_kept_full_admit_a_request_as_a_stream_leaves_and_answer_each_as_i
         return step()
 
     engine.round = counted_round
-    ids, seconds = kept_full(model, engine, requests, slots=2)
+    split: dict = {}
+    ids, seconds = kept_full(model, engine, requests, slots=2, split=split)
     alone = [kept_full(model, Engine(model), [request], slots=1)[0][0] for request in requests]
     assert ids == alone and [len(i) for i in ids] == [r.max_tokens for r in requests]
     assert most == 2 and seconds > 0
+    # every round is counted once, by kind (recall's drafts from the prompts make some drafted), and so is every token
+    assert {"prompt", "plain"} <= set(split) <= {"prompt", "plain", "drafted"}
+    assert sum(made for _, _, made in split.values()) == sum(map(len, ids))
+    assert sum(s for s, _, _ in split.values()) <= seconds
 
 
 def test_the_kept_full_tool_checks_the_served_replies_then_prints_both_rates_and_the_guard_s_bands():
@@ -143,6 +148,9 @@ def test_the_kept_full_tool_checks_the_served_replies_then_prints_both_rates_and
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "5 requests of 12 tokens through 2 slots kept full"
-    assert [line.split(":")[0] for line in lines[1:]] == ["pass 0", "pass 1"]
+    each_pass = ["pass {}", "  plain", "  served"]
+    assert [line.split(":")[0] for line in lines[1:]] == [head.format(n) for n in (0, 1) for head in each_pass]
     rates = r"plain [\d.]+ tok/s, served [\d.]+ tok/s \([\d.]+x\); served drafted windows \d+; 2 streams: "
-    assert all(re.search(rates, line) for line in lines[1:])
+    assert all(re.search(rates, line) for line in lines[1::3])
+    kinds = r"prompt \d+ rounds \d+ ms [\d.]+ tok/ms"
+    assert all(re.search(kinds, line) for line in lines[2::3] + lines[3::3])

@@ -8,8 +8,9 @@ streams whose drafts land finish early, and the ones whose drafts do not are lef
 one token a round, through rounds the others' drafts made dearer. A server's slots are refilled as replies end, so
 its rate is the rounds' own; this keeps `--slots` streams running from a queue of `--requests` (the code prompts,
 cycled) until the queue is empty, one engine a mode for every pass (the first pass builds every kernel and shape and
-teaches the guards, as a server's first requests do). Prints each pass's rates, the served engine's drafted windows
-and the shared guard's verdicts by band. Run it through `run_on_h200.sh exec` on a GPU.
+teaches the guards, as a server's first requests do). Prints each pass's rates, the served engine's drafted windows,
+the shared guard's verdicts by band, and each engine's time by round kind (rounds reading a prompt chunk, drafted
+rounds, plain ones). Run it through `run_on_h200.sh exec` on a GPU.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
-def kept_full(model, engine, requests, slots: int) -> tuple[list[list[int]], float]:
+def kept_full(model, engine, requests, slots: int, split: dict | None = None) -> tuple[list[list[int]], float]:
     """The requests through one engine, at most `slots` at once, each next one admitted as a stream leaves: each
-    reply's ids, and the wall seconds until the last one ended."""
+    reply's ids, and the wall seconds until the last one ended. `split` gathers the rounds by kind (round_kinds)."""
     from tensorfold_core.lanes.stream import Stream
     from tensorfold_core.lanes.types import TokenEvent
 
     events: list[list] = [[] for _ in requests]
     waiting = list(range(len(requests)))
+    emitted = lambda: sum(len(e.token_ids) for got in events for e in got if isinstance(e, TokenEvent))
     start = time.perf_counter()
     while waiting or not engine.idle():
         while waiting and len(engine.streams) < slots:
@@ -37,9 +39,23 @@ def kept_full(model, engine, requests, slots: int) -> tuple[list[list[int]], flo
             limit = len(requests[i].prompt_ids) + requests[i].max_tokens
             engine.add(Stream(id=i, request=requests[i], cache=model.new_cache(limit), on_event=events[i].append,
                               limit=limit))
+        kind = "prompt" if any(s.prefilling for s in engine.streams.values()) else None
+        drafts, tokens, began = engine.counters.drafts, emitted(), time.perf_counter()
         engine.round()
+        if split is not None:
+            kind = kind or ("drafted" if engine.counters.drafts > drafts else "plain")
+            seconds, rounds, made = split.get(kind, (0.0, 0, 0))
+            split[kind] = (seconds + time.perf_counter() - began, rounds + 1, made + emitted() - tokens)
     seconds = time.perf_counter() - start
     return [[t for e in got if isinstance(e, TokenEvent) for t in e.token_ids] for got in events], seconds
+
+
+def round_kinds(split: dict) -> str:
+    """Where an engine's time went: rounds carrying a prompt chunk, drafted rounds (the drafter's or recall's drafts)
+    and plain ones, with the tokens each kind gave a ms (a round's wall time: one run ahead is paid where the host
+    next waits)."""
+    return ", ".join(f"{kind} {rounds} rounds {seconds * 1e3:.0f} ms {made / (seconds * 1e3):.2f} tok/ms"
+                     for kind, (seconds, rounds, made) in sorted(split.items()))
 
 
 def verdicts(engine) -> str:
@@ -68,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     model, plain, served, requests = served_pair(args.target, args.drafter, args.slots, args.tokens, args.requests)
     print(f"{args.requests} requests of {args.tokens} tokens through {args.slots} slots kept full")
     for n in range(args.passes):
-        plain_ids, plain_s = kept_full(model, plain, requests(), args.slots)
+        plain_split, served_split = {}, {}
+        plain_ids, plain_s = kept_full(model, plain, requests(), args.slots, plain_split)
         before = served.counters.drafts
-        served_ids, served_s = kept_full(model, served, requests(), args.slots)
+        served_ids, served_s = kept_full(model, served, requests(), args.slots, served_split)
         differ = next((i for i, (a, b) in enumerate(zip(plain_ids, served_ids)) if a != b), None)
         if differ is not None:
             print(f"pass {n}: request {differ}'s served reply differs from its plain one", file=sys.stderr)
@@ -79,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pass {n}: plain {tokens / plain_s:.1f} tok/s, served {tokens / served_s:.1f} tok/s "
               f"({plain_s / served_s:.2f}x); served drafted windows {served.counters.drafts - before}; "
               f"{verdicts(served)}")
+        print(f"  plain: {round_kinds(plain_split)}\n  served: {round_kinds(served_split)}")
     return 0
 
 
