@@ -154,3 +154,4 @@ def test_the_kept_full_tool_checks_the_served_replies_then_prints_both_rates_and
     assert all(re.search(rates, line) for line in lines[1::3])
     kinds = r"prompt \d+ rounds \d+ ms [\d.]+ tok/ms"
     assert all(re.search(kinds, line) for line in lines[2::3] + lines[3::3])
+    assert all("drafted" not in line for line in lines[2::3])  # the plain engine serves as "draft": false, no copies

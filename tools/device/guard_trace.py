@@ -123,9 +123,9 @@ def tallied(engine, seen: dict, tally: dict):
 
 
 def served_pair(target_dir: str, drafter_dir: str, slots: int, tokens: int, count: int):
-    """The pair loaded as `serve` loads it: the model, a plain engine, a served one whose shared rounds' costs are
-    primed for `slots` streams as a server's are, and a maker of `count` greedy requests of `tokens` over the code
-    prompts."""
+    """The pair loaded as `serve` loads it: the model, a plain engine (no drafts at all, as `"draft": false`: not even
+    copies from the prompt), a served one whose shared rounds' costs are primed for `slots` streams as a server's
+    are, and a maker of `count` greedy requests of `tokens` over the code prompts."""
     from common import CODE_PROMPTS
 
     from tensorfold_core.lanes.engine import Engine
@@ -139,7 +139,7 @@ def served_pair(target_dir: str, drafter_dir: str, slots: int, tokens: int, coun
     prompts = [target.tokenizer.encode(p) for p in CODE_PROMPTS]
     requests = lambda: [GenerationRequest(prompt_ids=prompts[i % len(prompts)], max_tokens=tokens,
                                           stop_token_ids=frozenset()) for i in range(count)]
-    plain = Engine(target.model, shared_rounds=target.row_invariant)
+    plain = Engine(target.model, shared_rounds=target.row_invariant, copy_drafts=False)
     served = Engine(target.model, shared_rounds=target.row_invariant, drafter=drafter, timed=True)
     served.time_rows(slots)
     return target.model, plain, served, requests
