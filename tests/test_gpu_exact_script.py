@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "device"))
 
 import gpu_exact  # noqa: E402
@@ -56,3 +58,31 @@ def test_a_records_or_table_mismatch_fails_the_run_and_a_builtin_one_is_only_rep
     assert gpu_exact.failed({"mode": "records", "error": "crashed", "expected cases": 10})
     assert gpu_exact.failed({"mode": "table", **clean, "mismatches": ["x"]})
     assert not gpu_exact.failed({"mode": "builtin", **clean, "mismatches": ["x"]})
+
+
+def test_the_exactness_server_runs_its_rounds_off_the_loading_thread_and_raises_what_failed_there():
+    import threading
+
+    from exact_cases import Job, Server
+
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.loading import load_model
+
+    model = load_model("tiny-llama")[0]
+    server, threads = Server(model), set()
+    step = server.engine.round
+
+    def noted_round():
+        threads.add(threading.current_thread().name)
+        return step()
+
+    server.engine.round = noted_round
+    served = server.serve([Job(0, GenerationRequest(prompt_ids=list(range(40, 52)), max_tokens=5))], 1)
+    assert len(served[0].tokens) == 5 and threads == {"exact-engine"}  # as the server's engine thread, not this one
+
+    def failing_round():
+        raise ValueError("a round failed")
+
+    server.engine.round = failing_round
+    with pytest.raises(ValueError, match="a round failed"):
+        server.serve([Job(1, GenerationRequest(prompt_ids=list(range(40, 52)), max_tokens=5))], 1)

@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,28 @@ class Server:
         self.engine = Engine(model, prefill_chunk=chunk, drafter=drafter, on_leave=self.admission.leave)
 
     def serve(self, jobs: list[Job], parallel: int) -> dict[int, Served]:
+        """`rounds` on a thread of its own, as the server's engine thread serves what its loading thread loaded:
+        MLX's streams are per thread, so an array the loading thread left unevaluated fails there, and here."""
+        from tensorfold_core.backend import release_thread
+
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["served"] = self.rounds(jobs, parallel)
+            except BaseException as error:  # raised again on the calling thread
+                result["error"] = error
+            finally:
+                release_thread()
+
+        thread = threading.Thread(target=run, name="exact-engine")
+        thread.start()
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["served"]
+
+    def rounds(self, jobs: list[Job], parallel: int) -> dict[int, Served]:
         """Streams join one a round while a slot is free (so they join an engine already running); a job's
         cancel lands `cancel_after` rounds after it joined."""
         from tensorfold_core.lanes.stream import Stream
