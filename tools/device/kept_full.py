@@ -29,25 +29,31 @@ def kept_full(model, engine, requests, slots: int, split: dict | None = None) ->
     from tensorfold_core.lanes.stream import Stream
     from tensorfold_core.lanes.types import TokenEvent
 
-    events: list[list] = [[] for _ in requests]
+    replies: list[list[int]] = [[] for _ in requests]
+
+    def taker(reply: list[int]):  # each reply's ids as they come: no walk over the events inside the timed rounds
+        return lambda event: reply.extend(event.token_ids) if isinstance(event, TokenEvent) else None
+
     waiting = list(range(len(requests)))
-    emitted = lambda: sum(len(e.token_ids) for got in events for e in got if isinstance(e, TokenEvent))
+    made = 0  # tokens emitted so far, for `split`
     start = time.perf_counter()
     while waiting or not engine.idle():
         while waiting and len(engine.streams) < slots:
             i = waiting.pop(0)
             limit = len(requests[i].prompt_ids) + requests[i].max_tokens
-            engine.add(Stream(id=i, request=requests[i], cache=model.new_cache(limit), on_event=events[i].append,
+            engine.add(Stream(id=i, request=requests[i], cache=model.new_cache(limit), on_event=taker(replies[i]),
                               limit=limit))
-        kind = "prompt" if any(s.prefilling for s in engine.streams.values()) else None
-        drafts, tokens, began = engine.counters.drafts, emitted(), time.perf_counter()
+        prompt = any(s.prefilling for s in engine.streams.values())
+        drafts, began = engine.counters.drafts, time.perf_counter()
         engine.round()
         if split is not None:
-            kind = kind or ("drafted" if engine.counters.drafts > drafts else "plain")
-            seconds, rounds, made = split.get(kind, (0.0, 0, 0))
-            split[kind] = (seconds + time.perf_counter() - began, rounds + 1, made + emitted() - tokens)
+            kind = "prompt" if prompt else "drafted" if engine.counters.drafts > drafts else "plain"
+            now_made = sum(map(len, replies))
+            seconds, rounds, tokens = split.get(kind, (0.0, 0, 0))
+            split[kind] = (seconds + time.perf_counter() - began, rounds + 1, tokens + now_made - made)
+            made = now_made
     seconds = time.perf_counter() - start
-    return [[t for e in got if isinstance(e, TokenEvent) for t in e.token_ids] for got in events], seconds
+    return replies, seconds
 
 
 def round_kinds(split: dict) -> str:
