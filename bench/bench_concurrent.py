@@ -74,16 +74,18 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
         client, model = connect(url)
         warm = requests[-1]
         send(client, model, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
-        replies, tokens, seconds = [], 0, 0.0
+        replies, tokens, seconds, waves = [], 0, 0.0, []
         with ThreadPoolExecutor(level) as pool:
             for wave in range(args.waves):
                 which = batch(level, wave, len(requests))
                 start = time.perf_counter()
                 got = list(pool.map(lambda i: send(client, model, requests[i], args.tokens, draft), which))
-                seconds += time.perf_counter() - start
+                took = time.perf_counter() - start
+                seconds += took
                 tokens += sum(len(r["ids"]) for r in got)
+                waves.append(sum(len(r["ids"]) for r in got) / took)
                 replies += [(i, r) for i, r in zip(which, got)]
-    return {"replies": replies, "rate": tokens / seconds}
+    return {"replies": replies, "rate": tokens / seconds, "waves": waves}
 
 
 def check(runs: list[dict], references: dict[str, list[list[int]]]) -> str | None:
@@ -133,7 +135,10 @@ def run_workload(name: str, args) -> bool:
             modes = list(MODES) if (rep + level) % 2 == 0 else list(MODES)[::-1]  # alternate who runs first
             for mode in modes:
                 runs[(mode, level)].append(cell(mode, level, requests, args))
-            rates = ", ".join(f"{mode} {runs[(mode, level)][-1]['rate']:.1f} tok/s" for mode in modes)
+            # each wave's own rate too: a fresh server's first wave pays the shapes it meets first (kernel builds)
+            rates = ", ".join(f"{mode} {runs[(mode, level)][-1]['rate']:.1f} tok/s (waves "
+                              + " ".join(f"{w:.0f}" for w in runs[(mode, level)][-1]["waves"]) + ")"
+                              for mode in modes)
             print(f"rep {rep + 1} {name} level {level}: {rates} (in that order)", file=sys.stderr)
     rows, ok = [], True
     for level in args.levels:
