@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
 import openai
 
 from common import (CODE_PROMPTS, MODEL, blas_env, complete, first_difference, median, platform_lines,
@@ -72,6 +73,7 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
     with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
                 env=blas_env(args.blas)) as url:
         client, model = connect(url)
+        warmed = httpx.get(url + "/v1/capabilities", timeout=30).json().get("warm_up_seconds")  # None: not warmed
         warm = requests[-1]
         send(client, model, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
         replies, tokens, seconds, waves = [], 0, 0.0, []
@@ -85,7 +87,7 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
                 tokens += sum(len(r["ids"]) for r in got)
                 waves.append(sum(len(r["ids"]) for r in got) / took)
                 replies += [(i, r) for i, r in zip(which, got)]
-    return {"replies": replies, "rate": tokens / seconds, "waves": waves}
+    return {"replies": replies, "rate": tokens / seconds, "waves": waves, "warmed": warmed}
 
 
 def check(runs: list[dict], references: dict[str, list[list[int]]]) -> str | None:
@@ -137,7 +139,9 @@ def run_workload(name: str, args) -> bool:
                 runs[(mode, level)].append(cell(mode, level, requests, args))
             # each wave's own rate too: a fresh server's first wave pays the shapes it meets first (kernel builds)
             rates = ", ".join(f"{mode} {runs[(mode, level)][-1]['rate']:.1f} tok/s (waves "
-                              + " ".join(f"{w:.0f}" for w in runs[(mode, level)][-1]["waves"]) + ")"
+                              + " ".join(f"{w:.0f}" for w in runs[(mode, level)][-1]["waves"])
+                              + (f"; warmed up at load in {warmed:.1f} s)"
+                                 if (warmed := runs[(mode, level)][-1]["warmed"]) is not None else ")")
                               for mode in modes)
             print(f"rep {rep + 1} {name} level {level}: {rates} (in that order)", file=sys.stderr)
     rows, ok = [], True

@@ -16,6 +16,7 @@ from .errors import GroupError, RequestError
 from .lanes.engine import Engine
 from .lanes.stream import Stream
 from .lanes.types import DoneEvent, ErrorEvent, GenerationRequest, usage
+from .lanes.warm_up import WarmUp, warm_up, warms_up
 from .memory.admission import Admission
 from .memory.ledger import GIB, Ledger, default_budget
 from .memory.prompt_cache import PromptCache
@@ -79,6 +80,9 @@ class Host:
                              recall=lambda: [kept.tokens for kept in prompt_cache.entries.values()])
         if group is None:  # a group's caches live on every rank until its sync frees them: its rounds teach its lines
             self.engine.time_rows(options.parallel)
+        self._warm = group is None and warms_up()  # a GPU builds its kernels at first use: at load, not in a reply
+        self.warmed_up: WarmUp | None = None
+        self._warmed = threading.Event()
         memory = {"budget_bytes": budget, "prompt_cache_cap_bytes": prompt_cache.cap_bytes,
                   "prompt_cache_resumes": row_invariant}
         # worked out at load: MLX and the plugin registry are touched only by the loading and engine threads
@@ -93,6 +97,7 @@ class Host:
         self._thread = threading.Thread(target=self._loop, name="tensorfold-engine", daemon=True)
         if start:
             self._thread.start()
+            self._warmed.wait()  # the load ends once the engine thread has warmed up
 
     def validate(self, request: GenerationRequest, prompt_param: str = "prompt") -> None:
         """Refuse at once what can never be served, naming the field the prompt came in; the message carries the
@@ -176,8 +181,23 @@ class Host:
             self.engine.add(Stream(id=head.ticket, request=head.request, cache=cache, on_event=head.on_event,
                                    limit=limit, cached_tokens=cached_tokens))
 
+    def _warm_up(self) -> None:
+        """On the engine thread, so all it builds and keeps lives where the rounds run (MLX's streams are per
+        thread); a failed warm-up only leaves the builds to the first requests."""
+        try:
+            if self._warm:
+                self.warmed_up = warm_up(self.model, prefill_chunk=self.options.prefill_chunk, context=self.context,
+                                         shared_rounds=self.engine.shared_rounds, drafter=self.drafter)
+                log.info("warmed up: %s", self.warmed_up)
+        except Exception as exc:
+            log.warning("the warm-up failed (%s: %s); the first requests build what it would have",
+                        type(exc).__name__, exc)
+        finally:
+            self._warmed.set()
+
     def _loop(self) -> None:
         try:
+            self._warm_up()
             while not self._closed:
                 self._drain_inbox()
                 self._admit()
@@ -222,7 +242,8 @@ class Host:
                 for s in list(self.engine.streams.values())]
 
     def capabilities(self) -> dict:
-        live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued()}
+        live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued(),
+                "warm_up_seconds": self.warmed_up and round(self.warmed_up.seconds, 3)}
         if self.group is not None:
             live["group"] = self.group.report(self.admission.ledger.held())
         return {**self._capabilities, **live}

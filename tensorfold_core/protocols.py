@@ -249,11 +249,15 @@ class ChanceDrafter(Drafter, Protocol):
 @runtime_checkable
 class HoldPricedDrafter(Drafter, Protocol):
     """A drafter whose `facts.hold_costs` is set (DSpark: a hold runs its layers and the target's head as one pass).
-    Core calls `hold_ms` only where the facts say so."""
+    Core calls `hold_ms` and `time_holds` only where the facts say so."""
 
     def hold_ms(self, blocks: int, depth: int) -> float:
         """What a hold pass of `blocks` streams' blocks, the deepest of `depth` drafts, costs in wall ms now (timed
         after warm-up, moved toward each hold that settles; 0 while untimed)."""
+
+    def time_holds(self) -> None:
+        """Time the hold passes afresh, the prices `hold_ms` starts from (a server's warm-up calls it after its cold
+        holds, which a build's seconds would otherwise have moved)."""
 
 
 @runtime_checkable

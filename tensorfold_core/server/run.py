@@ -139,6 +139,9 @@ class Server:
         def started():
             self._started.set()
             print(f"tensorfold: serving {self.host.model_id} at {self.url}/v1", file=sys.stderr, flush=True)
+            warmed = self.host.capabilities().get("warm_up_seconds")
+            if warmed is not None:  # TENSORFOLD_WARM_UP, on a GPU by default: the builds a first reply would wait on
+                print(f"tensorfold: warmed up at load in {warmed:.1f} s", file=sys.stderr, flush=True)
             if not is_loopback(self.bind_host) and not self.edge.api_key:
                 print(f"tensorfold: warning: listening on {self.bind_host} beyond loopback with no API key: anyone "
                       "who reaches this port can use the model (--api-key or TENSORFOLD_API_KEY sets one)",
