@@ -8,10 +8,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import openai
 
-from common import (CODE_PROMPTS, MODEL, blas_env, complete, first_difference, median, platform_lines,
+from common import (CODE_PROMPTS, MODEL, blas_env, capabilities, complete, first_difference, median, platform_lines,
                     random_prompts, server, spread, table, tokenize)
 
 MODES = {  # name: (serve flags, the requests' draft field); `--drafter` replaces the drafted cells' flags
@@ -73,7 +72,7 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
     with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
                 env=blas_env(args.blas)) as url:
         client, model = connect(url)
-        warmed = httpx.get(url + "/v1/capabilities", timeout=30).json().get("warm_up_seconds")  # None: not warmed
+        warmed = capabilities(url).get("warm_up_seconds")  # None: the server did not warm up
         warm = requests[-1]
         send(client, model, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
         replies, tokens, seconds, waves = [], 0, 0.0, []

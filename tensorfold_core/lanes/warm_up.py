@@ -67,23 +67,27 @@ def warm_up(model: Model, *, prefill_chunk: int, context: int, shared_rounds: bo
         if isinstance(event, ErrorEvent):
             failures.append(event.error)
 
-    for i, (prompt, sampling) in enumerate(zip(warm_up_prompts(prefill_chunk, model.vocab_size, context),
-                                               (SamplingParams(), SEEDED))):
-        request = GenerationRequest(prompt_ids=prompt, max_tokens=REPLY_TOKENS, sampling=sampling)
-        limit = len(prompt) + REPLY_TOKENS
-        engine.add(Stream(id=STREAM_IDS - i, request=request, cache=model.new_cache(limit), on_event=on_event,
-                          limit=limit))
-    while not engine.idle() and engine.rounds < MOST_ROUNDS:
-        if not engine.round():
-            break
-    for stream_id in list(engine.streams):
-        engine.cancel(stream_id)
-    engine.round()  # the cancelled leave
+    prompts = warm_up_prompts(prefill_chunk, model.vocab_size, context)
+    try:
+        for i, (prompt, sampling) in enumerate(zip(prompts, (SamplingParams(), SEEDED))):
+            request = GenerationRequest(prompt_ids=prompt, max_tokens=REPLY_TOKENS, sampling=sampling)
+            limit = len(prompt) + REPLY_TOKENS
+            engine.add(Stream(id=STREAM_IDS - i, request=request, cache=model.new_cache(limit), on_event=on_event,
+                              limit=limit))
+        while not engine.idle() and engine.rounds < MOST_ROUNDS:
+            if not engine.round():
+                break
+        for stream_id in list(engine.streams):
+            engine.cancel(stream_id)
+        engine.round()  # the cancelled leave
+    finally:
+        if drafter is not None:  # a round that raised left its streams' slots: no one else frees them
+            for i in range(len(prompts)):
+                drafter.release(STREAM_IDS - i)
+            drafter.shed_kept()  # the released slots: bytes no admission counted, for no one to reuse
     if failures:
         raise RuntimeError(f"the warm-up's request failed: {failures[0]}") from failures[0]
-    if drafter is not None:
-        drafter.shed_kept()  # the warm-up's released slots: bytes no admission counted, for no one to reuse
-        if drafter.facts.hold_costs:
-            cast(HoldPricedDrafter, drafter).time_holds()
+    if drafter is not None and drafter.facts.hold_costs:
+        cast(HoldPricedDrafter, drafter).time_holds()
     drafted = {source: counts[0] for source, counts in engine.counters.by_source.items()}
     return WarmUp(time.perf_counter() - start, engine.rounds, drafted)
