@@ -9,7 +9,7 @@ import pytest
 
 from tensorfold_core.host import Host
 from tensorfold_core.lanes.types import DoneEvent, GenerationRequest, SpecCounters, TokenEvent
-from tensorfold_core.lanes.warm_up import PERIOD, REPLY_TOKENS, WARM_UP_ENV, warm_up_prompts, warms_up
+from tensorfold_core.lanes.warm_up import PERIOD, REPLY_TOKENS, WARM_UP_ENV, warm_up, warm_up_prompts, warms_up
 from tensorfold_core.loading import load_model, start_drafter
 from tensorfold_core.memory.ledger import GIB
 from tensorfold_core.options import ServeOptions
@@ -69,6 +69,19 @@ def test_the_long_warm_up_prompt_reads_a_full_chunk_and_part_of_the_next_and_rep
     assert 0 < len(short) < CHUNK
     tight, _ = warm_up_prompts(CHUNK, vocab_size=448, context=30)
     assert len(tight) + REPLY_TOKENS < 30
+
+
+def test_each_warm_up_pass_serves_the_rounds_the_first_did_so_the_second_meets_its_shapes_again(pair):
+    model, tokenizer, drafter_path = pair
+    drafter = start_drafter(str(drafter_path), model, tokenizer)
+    try:
+        one, two = (warm_up(model, prefill_chunk=CHUNK, context=512, shared_rounds=True, drafter=drafter,
+                            passes=passes) for passes in (1, 2))
+    finally:
+        drafter.close()
+    assert one.rounds > 0 and sum(one.drafted.values()) > 0
+    assert two.rounds == 2 * one.rounds
+    assert two.drafted == {source: 2 * n for source, n in one.drafted.items()}
 
 
 def test_a_warmed_host_drafted_in_its_warm_up_and_kept_nothing_from_it(pair, monkeypatch):

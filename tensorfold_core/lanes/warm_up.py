@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
@@ -23,6 +24,8 @@ REPLY_TOKENS = 16
 STREAM_IDS = -1000  # counting down: ids no host hands out, nor a drafter's own warm-up (-1 down)
 MOST_ROUNDS = 1000  # a warm-up that has not ended by then is cut: it only ever saves later requests time
 SEEDED = SamplingParams(temperature=0.8, seed=0)  # the keyed draw's kernels build too
+# a family's whole forward is traced the second time a shape is met (KeyCompiled's `after`): the second pass traces
+PASSES = 2
 
 
 @dataclass(frozen=True)
@@ -55,19 +58,33 @@ def warm_up_prompts(prefill_chunk: int, vocab_size: int, context: int) -> list[l
     return [long, stretch[:max(min(PERIOD // 3, length), 1)]]
 
 
-def warm_up(model: Model, *, prefill_chunk: int, context: int, shared_rounds: bool,
-            drafter: Drafter | None) -> WarmUp:
-    """Serve the warm-up prompts on a throwaway engine (untimed, so no guard learns a cold round, and with nowhere
-    to keep a state), free the drafter's slots it released, and re-time the holds its cold ones moved."""
+def warm_up(model: Model, *, prefill_chunk: int, context: int, shared_rounds: bool, drafter: Drafter | None,
+            passes: int = PASSES) -> WarmUp:
+    """Serve the warm-up prompts `passes` times, each on a throwaway engine (untimed, so no guard learns a cold round,
+    and with nowhere to keep a state) and from fresh drafter slots, so every pass meets the same shapes; then re-time
+    the drafter's holds its cold ones moved."""
     start = time.perf_counter()
-    engine = Engine(model, prefill_chunk=prefill_chunk, shared_rounds=shared_rounds, drafter=drafter)
+    rounds, drafted = 0, Counter()
+    for _ in range(passes):
+        engine = Engine(model, prefill_chunk=prefill_chunk, shared_rounds=shared_rounds, drafter=drafter)
+        serve_once(engine, warm_up_prompts(prefill_chunk, model.vocab_size, context))
+        rounds += engine.rounds
+        drafted.update({source: counts[0] for source, counts in engine.counters.by_source.items()})
+    if drafter is not None and drafter.facts.hold_costs:
+        cast(HoldPricedDrafter, drafter).time_holds()
+    return WarmUp(time.perf_counter() - start, rounds, dict(drafted))
+
+
+def serve_once(engine: Engine, prompts: list[list[int]]) -> None:
+    """The prompts through the engine to their ends, greedy and seeded; the drafter's slots they used freed after,
+    a failed round's too; raises where a request failed."""
     failures: list[BaseException] = []
 
     def on_event(event) -> None:
         if isinstance(event, ErrorEvent):
             failures.append(event.error)
 
-    prompts = warm_up_prompts(prefill_chunk, model.vocab_size, context)
+    model, drafter = engine.model, engine.drafter
     try:
         for i, (prompt, sampling) in enumerate(zip(prompts, (SamplingParams(), SEEDED))):
             request = GenerationRequest(prompt_ids=prompt, max_tokens=REPLY_TOKENS, sampling=sampling)
@@ -84,10 +101,6 @@ def warm_up(model: Model, *, prefill_chunk: int, context: int, shared_rounds: bo
         if drafter is not None:  # a round that raised left its streams' slots: no one else frees them
             for i in range(len(prompts)):
                 drafter.release(STREAM_IDS - i)
-            drafter.shed_kept()  # the released slots: bytes no admission counted, for no one to reuse
+            drafter.shed_kept()  # the released slots: bytes no admission counted, and a next pass starts afresh
     if failures:
         raise RuntimeError(f"the warm-up's request failed: {failures[0]}") from failures[0]
-    if drafter is not None and drafter.facts.hold_costs:
-        cast(HoldPricedDrafter, drafter).time_holds()
-    drafted = {source: counts[0] for source, counts in engine.counters.by_source.items()}
-    return WarmUp(time.perf_counter() - start, engine.rounds, drafted)
