@@ -20,6 +20,9 @@
 #   normed    the norm folded into the bf16 GEMV against MLX's rms_norm + the plain GEMV, bits first, under ncu, with
 #             the ablations that find where its time goes (bench/bench_normed_gemv.py --ablations)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
+#   warmup    the inflated lfm2 pair (as dspark) served over HTTP at one stream, 12 waves of 256 tokens
+#             (bench_concurrent's per-wave rates: the 11 code prompts, then the first again), with TENSORFOLD_WARM_UP=1
+#             then =0, fresh servers each: what a server's first requests pay with the warm-up at load and without
 #   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
 #             (tools/device/load_time.py)
 #   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
@@ -34,8 +37,8 @@
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_DSPARK=200, CAP_TOKEN=150, CAP_NORMED=90,
-# CAP_EXACT=80, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200, CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside
-# its limit and says which step was cut.
+# CAP_EXACT=80, CAP_WARMUP=300 a side, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200, CAP_CONTRACT=70,
+# CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
 # Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
 # (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
 # the contract's inputs.
@@ -75,6 +78,16 @@ for what in "${@:-bench pair exact contract affine}"; do
           ${PAIR_STREAMS:+--streams $PAIR_STREAMS} ${PAIR_ARGS:-} --json $receipt/dspark.json" \
           step dspark "${CAP_DSPARK:-200}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/dspark.txt" ;;
+      warmup)  # fresh servers with the warm-up at load and without, one after the other on this card
+        for side in 1 0; do
+          OUT=$receipt TF_EXEC="{ [ -d /tmp/l1 ] || python3 tools/zoo/inflate_lfm2.py --preset lfm2-1b --out /tmp/l1 \
+            --no-check > /dev/null; } && { [ -d /tmp/ld ] || python3 tools/zoo/inflate_lfm2.py --preset \
+            lfm2-dspark-0.1b --out /tmp/ld --target /tmp/l1 --no-check > /dev/null; } && cd bench \
+            && TENSORFOLD_WARM_UP=$side python3 bench_concurrent.py --model /tmp/l1 --drafter /tmp/ld --levels 1 \
+            --tokens 256 --reps 1 --waves ${WARMUP_WAVES:-12} --no-alone --dtype bfloat16" \
+            step warmup-$side "${CAP_WARMUP:-300}" bash contract/receipts/run_on_h200.sh exec
+          mv "$receipt/exec.txt" "$receipt/warmup-$side.txt"
+        done ;;
       token)
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
           && python3 bench/bench_token_time.py /tmp/b1 --modes '${TOKEN_MODES:-builtin,table,table-attention}' \
@@ -119,7 +132,7 @@ for what in "${@:-bench pair exact contract affine}"; do
         OUT=$receipt/$name TF_CONTRACT_ARGS="--jobs 4 --progress $seed $records" \
           step "$name" "$cap" bash contract/receipts/run_on_h200.sh contract
         cp "$receipt/$name/contract.txt" "$receipt/$name.txt" 2>/dev/null ;;
-      *) echo "unknown step $name (bench, pair, token, normed, exact, load, kernels, graphs, contract, affine, launch, tiles)" >&2
+      *) echo "unknown step $name (the steps: the usage at the top of tools/device/speed.sh)" >&2
          exit 2 ;;
     esac
   done
