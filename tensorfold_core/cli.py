@@ -100,7 +100,7 @@ def _coerce(values: dict) -> dict:
     return out
 
 
-LOAD_STAGES = ("resolving", "loading weights", "probing row invariance", "starting drafter", "ready")
+LOAD_STAGES = ("resolving", "loading weights", "probing row invariance", "starting drafter", "warming up", "ready")
 
 
 def _progress():

@@ -244,6 +244,7 @@ def load_host(model: str | None, options: ServeOptions, progress: Progress = lam
     clock, so tests see the same drafts however busy the machine is); in a group, rank 0's host."""
     from .capabilities import capabilities
     from .host import Host
+    from .lanes.warm_up import warms_up
     from .memory.ledger import GIB, default_budget
 
     if joined is not None and joined.local > 1 and not options.memory_gib:
@@ -259,6 +260,8 @@ def load_host(model: str | None, options: ServeOptions, progress: Progress = lam
         progress(f"starting drafter {draft_name}")
         drafter = start_drafter(draft_name, target.model, target.tokenizer, DrafterOptions.serving(options))
     model_id = options.model_name or target.name
+    if joined is None and warms_up():  # the host warms up before it returns (a group does not)
+        progress("warming up")
     info = {"model": model_id, "row_invariance": target.probe, "checkpoint": str(target.checkpoint.path),
             "model_type": target.checkpoint.model_type, "drafter": draft_name if drafter is not None else None,
             "kernels": {"backend": backend(), "serving": target.model.kernels,
