@@ -81,12 +81,18 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
                 which = batch(level, wave, len(requests))
                 start = time.perf_counter()
                 got = list(pool.map(lambda i: send(client, model, requests[i], args.tokens, draft), which))
-                took = time.perf_counter() - start
-                seconds += took
-                tokens += sum(len(r["ids"]) for r in got)
-                waves.append(sum(len(r["ids"]) for r in got) / took)
+                took, made = time.perf_counter() - start, sum(len(r["ids"]) for r in got)
+                seconds, tokens = seconds + took, tokens + made
+                waves.append(made / took)
                 replies += [(i, r) for i, r in zip(which, got)]
     return {"replies": replies, "rate": tokens / seconds, "waves": waves, "warmed": warmed}
+
+
+def rate_line(run: dict) -> str:
+    """A cell's rate and each wave's own (a fresh server's first wave pays the shapes it meets first), and the
+    server's warm-up at load where it ran one."""
+    warmed = "" if run["warmed"] is None else f"; warmed up at load in {run['warmed']:.1f} s"
+    return f"{run['rate']:.1f} tok/s (waves {' '.join(f'{w:.0f}' for w in run['waves'])}{warmed})"
 
 
 def check(runs: list[dict], references: dict[str, list[list[int]]]) -> str | None:
@@ -136,12 +142,7 @@ def run_workload(name: str, args) -> bool:
             modes = list(MODES) if (rep + level) % 2 == 0 else list(MODES)[::-1]  # alternate who runs first
             for mode in modes:
                 runs[(mode, level)].append(cell(mode, level, requests, args))
-            # each wave's own rate too: a fresh server's first wave pays the shapes it meets first (kernel builds)
-            rates = ", ".join(f"{mode} {runs[(mode, level)][-1]['rate']:.1f} tok/s (waves "
-                              + " ".join(f"{w:.0f}" for w in runs[(mode, level)][-1]["waves"])
-                              + (f"; warmed up at load in {warmed:.1f} s)"
-                                 if (warmed := runs[(mode, level)][-1]["warmed"]) is not None else ")")
-                              for mode in modes)
+            rates = ", ".join(f"{mode} {rate_line(runs[(mode, level)][-1])}" for mode in modes)
             print(f"rep {rep + 1} {name} level {level}: {rates} (in that order)", file=sys.stderr)
     rows, ok = [], True
     for level in args.levels:

@@ -243,7 +243,7 @@ class Host:
 
     def capabilities(self) -> dict:
         live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued(),
-                "warm_up_seconds": self.warmed_up and round(self.warmed_up.seconds, 3)}
+                "warm_up_seconds": None if self.warmed_up is None else round(self.warmed_up.seconds, 3)}
         if self.group is not None:
             live["group"] = self.group.report(self.admission.ledger.held())
         return {**self._capabilities, **live}
