@@ -137,14 +137,16 @@ def run_workload(name: str, args) -> bool:
         print(f"drafted alone vs serial: {'equal' if diff is None else f'FAIL request {diff[0]} token {diff[1]}'}")
         alone_ok = diff is None
     runs = {(mode, level): [] for level in args.levels for mode in MODES}
+    order = {}  # (rep, level): the modes in the order they ran
     for rep in range(args.reps):
         for level in args.levels:
             modes = list(MODES) if (rep + level) % 2 == 0 else list(MODES)[::-1]  # alternate who runs first
             for mode in modes:
                 runs[(mode, level)].append(cell(mode, level, requests, args))
-            rates = ", ".join(f"{mode} {rate_line(runs[(mode, level)][-1])}" for mode in modes)
-            print(f"rep {rep + 1} {name} level {level}: {rates} (in that order)", file=sys.stderr)
-    rows, ok = [], True
+            order[(rep, level)] = modes
+            # progress only: a rate prints once every reply of its level was checked
+            print(f"rep {rep + 1} {name} level {level}: ran {', '.join(modes)}", file=sys.stderr)
+    rows, ok, checked = [], True, []  # checked: each rep's rates of the levels whose replies all matched
     for level in args.levels:
         failures = {mode: check(runs[(mode, level)], references[mode]) for mode in MODES}
         if any(failures.values()):
@@ -152,6 +154,9 @@ def run_workload(name: str, args) -> bool:
             why = "; ".join(f"{m}: {w}" for m, w in failures.items() if w)
             rows.append([level, f"FAIL: {why}", "-", "-", "-", "-", "-"])
             continue
+        for rep in range(args.reps):
+            rates = ", ".join(f"{mode} {rate_line(runs[(mode, level)][rep])}" for mode in order[(rep, level)])
+            checked.append(f"rep {rep + 1} {name} level {level}: {rates} (in that order)")
         drafted = [r["rate"] for r in runs[("drafted", level)]]
         plain = [r["rate"] for r in runs[("plain", level)]]
         ratios = [a / b for a, b in zip(drafted, plain)]
@@ -160,6 +165,10 @@ def run_workload(name: str, args) -> bool:
                      stats(runs[("drafted", level)])])
     checks = " and ".join(c for c, on in (("--alone", args.alone), ("--serial", args.serial)) if on) or "none"
     print(f"token ids checked ({checks}) before any rate is quoted\n")
+    for line in checked:
+        print(line)
+    if checked:
+        print()
     print(table(["streams", "token ids", "drafted tok/s", "plain tok/s", "drafted/plain (median)", "worst rep",
                  "drafted: tokens/round, drafts kept"], rows))
     return ok and alone_ok
