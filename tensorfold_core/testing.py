@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -229,6 +230,21 @@ def solo(model, request: GenerationRequest) -> list[int]:
     run.finish()
     assert request.draft or run.done(0).usage["tensorfold"]["drafted"] == 0
     return run.tokens(0)
+
+
+def served_by_thread(host, request: GenerationRequest, timeout_s: float = 60.0) -> list[int]:
+    """The request's token ids as a started host's engine thread serves them (a server's path, without HTTP)."""
+    events, done = [], threading.Event()
+
+    def on_event(event) -> None:
+        events.append(event)
+        if isinstance(event, DoneEvent):
+            done.set()
+
+    host.submit(request, on_event)
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"no reply within {timeout_s} s")
+    return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
 
 
 def array_bytes(obj, seen: set | None = None) -> int:

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import pytest
 
 from tensorfold_core.host import Host
-from tensorfold_core.lanes.types import DoneEvent, GenerationRequest, SpecCounters, TokenEvent
+from tensorfold_core.lanes.types import GenerationRequest, SpecCounters
 from tensorfold_core.lanes.warm_up import PERIOD, REPLY_TOKENS, WARM_UP_ENV, warm_up, warm_up_prompts, warms_up
 from tensorfold_core.loading import load_model, start_drafter
-from tensorfold_core.memory.ledger import GIB
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.sampling import SamplingParams
-from tensorfold_core.testing import tiny_llama_checkpoint, truncated_drafter
+from tensorfold_core.testing import served_by_thread, tiny_llama_checkpoint, truncated_drafter
 
 CHUNK = 16
 PROMPT = [5, 9, 13, 17, 5, 9, 13, 17, 21, 25]
@@ -36,20 +33,6 @@ def started_host(pair, monkeypatch, warm: bool) -> Host:
     drafter = start_drafter(str(drafter_path), model, tokenizer)
     options = ServeOptions(parallel=4, memory_gib=1.0, prompt_cache_gib=0.25, prefill_chunk=CHUNK)
     return Host(model, tokenizer, options, model_id="m", context=512, drafter=drafter, row_invariant=True)
-
-
-def served(host: Host, request: GenerationRequest) -> list[int]:
-    """The request's token ids, served by the host's engine thread."""
-    events, done = [], threading.Event()
-
-    def on_event(event) -> None:
-        events.append(event)
-        if isinstance(event, DoneEvent):
-            done.set()
-
-    host.submit(request, on_event)
-    assert done.wait(60), "no reply within 60 s"
-    return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
 
 
 def test_a_server_warms_up_on_a_gpu_and_elsewhere_only_when_told(monkeypatch):
@@ -107,7 +90,7 @@ def test_a_warmed_host_serves_the_ids_an_unwarmed_one_does_greedy_and_seeded(pai
         host = started_host(pair, monkeypatch, warm)
         try:
             assert (host.warmed_up is not None) == warm
-            replies[warm] = [served(host, r) for r in requests]
+            replies[warm] = [served_by_thread(host, r) for r in requests]
         finally:
             host.close()
     assert replies[True] == replies[False]
