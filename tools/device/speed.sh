@@ -22,7 +22,8 @@
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
 #   warmup    the inflated lfm2 pair (as dspark) served over HTTP at one stream, 12 waves of 256 tokens
 #             (bench_concurrent's per-wave rates: the 11 code prompts, then the first again), with TENSORFOLD_WARM_UP=1
-#             then =0, fresh servers each: what a server's first requests pay with the warm-up at load and without
+#             then =0, fresh servers each: what a server's first requests pay with the warm-up at load and without;
+#             WARMUP_SIDES="1" or "0" runs one side (two calls on one warm machine, when one call's 600 s is short)
 #   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
 #             (tools/device/load_time.py)
 #   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
@@ -79,7 +80,7 @@ for what in "${@:-bench pair exact contract affine}"; do
           step dspark "${CAP_DSPARK:-200}" bash contract/receipts/run_on_h200.sh exec
         mv "$receipt/exec.txt" "$receipt/dspark.txt" ;;
       warmup)  # fresh servers with the warm-up at load and without, one after the other on this card
-        for side in 1 0; do
+        for side in ${WARMUP_SIDES:-1 0}; do
           OUT=$receipt TF_EXEC="{ [ -d /tmp/l1 ] || python3 tools/zoo/inflate_lfm2.py --preset lfm2-1b --out /tmp/l1 \
             --no-check > /dev/null; } && { [ -d /tmp/ld ] || python3 tools/zoo/inflate_lfm2.py --preset \
             lfm2-dspark-0.1b --out /tmp/ld --target /tmp/l1 --no-check > /dev/null; } && cd bench \
