@@ -216,6 +216,16 @@ def test_the_round_time_tool_times_every_part_of_a_drafted_round_on_the_cpu():
         assert part in done.stdout
 
 
+def test_the_round_time_tool_times_a_shared_verify_at_each_depth_against_a_plain_round_of_the_same_streams():
+    tool = BENCH.parent / "tools" / "device" / "round_time.py"
+    done = subprocess.run([sys.executable, str(tool), "tiny-lfm2", "tiny-lfm2-dspark", "--repeats", "1", "--streams",
+                           "3", "--depths", "0,2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "3 streams x 1 row (a plain round's forward)" in done.stdout
+    for line in ("3 streams x 1 rows (verify of depth 0)", "3 streams x 3 rows (verify of depth 2)"):
+        assert line in done.stdout and "plain" in done.stdout.split(line)[1].splitlines()[0]
+
+
 def test_the_decode_profile_tool_profiles_plain_drafted_and_served_at_one_stream_and_several_on_the_cpu():
     tool = BENCH.parent / "tools" / "device" / "profile_decode.py"
     done = subprocess.run([sys.executable, str(tool), "tiny-llama", "--tokens", "6", "--streams", "2", "--top", "5",
