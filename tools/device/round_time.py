@@ -37,7 +37,7 @@ def forward_ms(model, rows: int, repeats: int, context: int = 200, streams: int 
         cache = model.new_cache(context + 64)
         model.forward_ids([cache], (mx.arange(context, dtype=mx.uint32) + stream) % 500, [context], [1], commit=True)
         caches.append(cache)
-    mx.eval([c.keys + c.values if isinstance(c.keys, list) else [c.keys, c.values] for c in caches])
+    mx.eval([[cache.keys, cache.values] for cache in caches])
     ids = mx.arange(rows * streams, dtype=mx.uint32) % 97 + 7
 
     def run():  # a verify's shape: every row's logits, then none of the rows kept
