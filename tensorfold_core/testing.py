@@ -109,6 +109,17 @@ def truncated_drafter(target: Path, path: Path, layers: int = 1, vocab_size: int
     return path
 
 
+def loaded_tiny_pair(root: Path, seed: int = 8):
+    """A two-layer tiny llama loaded for serving, and the dir of a one-layer drafter cut from it: (model, tokenizer,
+    drafter dir)."""
+    from .loading import load_model
+
+    target = tiny_llama_checkpoint(Path(root) / "target", seed=seed, num_hidden_layers=2)
+    drafter = truncated_drafter(target, Path(root) / "drafter", layers=1)
+    model, tokenizer, _ = load_model(str(target))
+    return model, tokenizer, drafter
+
+
 def mlx_quantized_copy(source: Path, path: Path, bits: int = 4, group_size: int = 64) -> Path:
     """mlx-lm's own affine conversion of a checkpoint, with the source's tokenizer files kept byte-identical."""
     from mlx_lm import convert

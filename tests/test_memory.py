@@ -8,7 +8,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorfold_core.loading import load_model
 from tensorfold_core.loading import start_drafter
 from tensorfold_core.errors import RequestError
 from tensorfold_core.host import Host
@@ -16,16 +15,12 @@ from tensorfold_core.lanes.types import DoneEvent, GenerationRequest, TokenEvent
 from tensorfold_core.memory.ledger import GIB
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.sampling import SamplingParams
-from tensorfold_core.testing import array_bytes, tiny_llama_checkpoint, truncated_drafter
+from tensorfold_core.testing import array_bytes, loaded_tiny_pair
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("memory")
-    target = tiny_llama_checkpoint(root / "target", seed=8, num_hidden_layers=2)
-    drafter = truncated_drafter(target, root / "drafter", layers=1)
-    model, tokenizer, _ = load_model(str(target))
-    return model, tokenizer, drafter
+    return loaded_tiny_pair(tmp_path_factory.mktemp("memory"))
 
 
 def make_host(pair, budget_bytes, *, drafted=True, prompt_cache_bytes=0, parallel=4):

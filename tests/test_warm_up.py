@@ -8,10 +8,10 @@ import pytest
 from tensorfold_core.host import Host
 from tensorfold_core.lanes.types import GenerationRequest, SpecCounters
 from tensorfold_core.lanes.warm_up import PERIOD, REPLY_TOKENS, WARM_UP_ENV, warm_up, warm_up_prompts, warms_up
-from tensorfold_core.loading import load_model, start_drafter
+from tensorfold_core.loading import start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.sampling import SamplingParams
-from tensorfold_core.testing import served_by_thread, tiny_llama_checkpoint, truncated_drafter
+from tensorfold_core.testing import loaded_tiny_pair, served_by_thread
 
 CHUNK = 16
 PROMPT = [5, 9, 13, 17, 5, 9, 13, 17, 21, 25]
@@ -19,11 +19,7 @@ PROMPT = [5, 9, 13, 17, 5, 9, 13, 17, 21, 25]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("warm_up")
-    target = tiny_llama_checkpoint(root / "target", seed=8, num_hidden_layers=2)
-    drafter = truncated_drafter(target, root / "drafter", layers=1)
-    model, tokenizer, _ = load_model(str(target))
-    return model, tokenizer, drafter
+    return loaded_tiny_pair(tmp_path_factory.mktemp("warm_up"))
 
 
 def started_host(pair, monkeypatch, warm: bool) -> Host:
