@@ -99,6 +99,22 @@ def test_the_guard_trace_logs_each_measured_round_and_the_verdict_that_follows_t
     assert first[24] in ("drafted", "plain") and first[25] in ("measure", "run")
 
 
+def test_the_guard_trace_can_serve_a_warmed_up_engine_first_and_name_the_traces_its_pass_made():
+    models = resolve_model("tiny-llama").parent
+    done = subprocess.run([sys.executable, str(TOOLS / "guard_trace.py"), str(models / "tiny-llama"),
+                           str(models / "tiny-llama-drafter"), "--streams", "1", "--passes", "1", "--tokens", "24",
+                           "--warm-up", "--served-first", "--keys"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # warmed up as a server is at load (its rounds counted), then the pass, its served replies equal to plain's
+    assert re.fullmatch(r"warmed up: [\d.]+ s, [1-9]\d* rounds, windows drafted: .+", lines[0])
+    assert lines[1].startswith("pass 0: plain ") and lines[4].startswith("  served rounds:")
+    # the lone guard's rounds logged, and the traces the served pass made that the warm-up had not
+    assert re.match(r"  [lL]\d+/[\d.]+", lines[2])
+    made = re.fullmatch(r"  traces the served pass made \((\d+)\):(.*)", lines[6])
+    assert made and len(re.findall(r"\[[^]]+\]", made[2])) == int(made[1])
+
+
 def test_the_launch_time_tool_times_a_step_s_phases_idle_and_busy_at_each_stream_count_its_ids_equal():
     done = subprocess.run([sys.executable, str(TOOLS / "launch_time.py"), "tiny-lfm2", "--streams", "1,3", "--steps",
                            "6", "--dtype", "float32"], capture_output=True, text=True, timeout=300)
