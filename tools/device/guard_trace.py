@@ -183,6 +183,8 @@ def plain_pass(model, plain, requests, plain_tally: dict):
 def main(argv: list[str] | None = None) -> int:
     from bench_gpu_pair import together
 
+    from tensorfold_core import traces
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target")
     parser.add_argument("drafter")
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         seen["phases"].clear()
         seen["made"].clear()
         seen["streams"] = None
+        seen["at"] = (traces.count(), seen["untraced"])  # marks from the served pass alone, not the plain one
         served_ids, served_s = together(model, served, requests())
         if args.served_first:
             plain_ids, plain_s = plain_pass(model, plain, requests(), plain_tally)

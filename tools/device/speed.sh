@@ -25,10 +25,11 @@
 #             then =0, fresh servers each: what a server's first requests pay with the warm-up at load and without;
 #             WARMUP_SIDES="1" or "0" runs one side (two calls on one warm machine, when one call's 600 s is short)
 #   served    the shipped pairs each served over HTTP by fresh servers that warm up at load (bench_concurrent, 1 and 4
-#             streams, code and seeded prompts, 2 waves of 96 tokens, ids equal to "draft": false first), one pair a
-#             cell: SERVED_PAIRS (default "tiny-llama:tiny-llama-drafter tiny-lfm2-moe:tiny-lfm2-moe-dspark
-#             tiny-lfm2-moe-4bit:", MODEL:DRAFTER, none after the colon for copy drafts alone); needs the weights
-#             (stage.sh weights, or carry the pairs' dirs)
+#             streams, 2 waves of 96 tokens, ids equal to "draft": false first), one pair a cell: SERVED_PAIRS
+#             (default "tiny-llama:tiny-llama-drafter tiny-lfm2-moe:tiny-lfm2-moe-dspark tiny-lfm2-moe-4bit:",
+#             MODEL:DRAFTER, none after the colon for copy drafts alone), SERVED_WORKLOADS (default code; code,random
+#             adds seeded prompts: each workload's four cells are four fresh servers, ~55 s each on an H100); needs
+#             the weights (stage.sh weights, or carry the pairs' dirs)
 #   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
 #             (tools/device/load_time.py)
 #   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
@@ -43,7 +44,7 @@
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_DSPARK=200, CAP_TOKEN=150, CAP_NORMED=90,
-# CAP_EXACT=80, CAP_WARMUP=300 a side, CAP_SERVED=140 a pair, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200,
+# CAP_EXACT=80, CAP_WARMUP=300 a side, CAP_SERVED=260 a pair, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200,
 # CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
 # Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
 # (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
@@ -106,8 +107,8 @@ for what in "${@:-bench pair exact contract affine}"; do
         for pair in ${SERVED_PAIRS:-$pairs}; do
           model=${pair%%:*} drafter=${pair#*:}
           OUT=$receipt TF_EXEC="cd bench && python3 bench_concurrent.py --model $model ${drafter:+--drafter $drafter} \
-            --levels 1,4 --tokens 96 --reps 1 --waves 2 --workload code,random --no-alone --dtype bfloat16" \
-            step "served-$model" "${CAP_SERVED:-140}" bash contract/receipts/run_on_h200.sh exec
+            --levels 1,4 --tokens 96 --reps 1 --waves 2 --workload ${SERVED_WORKLOADS:-code} --no-alone --dtype bfloat16" \
+            step "served-$model" "${CAP_SERVED:-260}" bash contract/receipts/run_on_h200.sh exec
           mv "$receipt/exec.txt" "$receipt/served-$model.txt"
         done ;;
       load)
