@@ -61,7 +61,7 @@ def one_by_one(mode: str, requests: list[Request], args) -> list[list[int]]:
     """Every request sent alone (one after another) to a fresh server of `mode`: their token ids."""
     flags, draft = mode_flags(mode, args)
     with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
-                env=blas_env(args.blas)) as url:
+                *args.serve_flags.split(), env=blas_env(args.blas)) as url:
         client, model = connect(url)
         return [send(client, model, r, args.tokens, draft)["ids"] for r in requests]
 
@@ -70,12 +70,12 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
     """A fresh server of `mode`; `args.waves` waves of `level` concurrent requests; replies and aggregate rate."""
     flags, draft = mode_flags(mode, args)
     with server(args.model, "--dtype", args.dtype, "--parallel", str(max(args.levels)), *flags,
-                env=blas_env(args.blas)) as url:
+                *args.serve_flags.split(), env=blas_env(args.blas)) as url:
         client, model = connect(url)
         warmed = capabilities(url).get("warm_up_seconds")  # None: the server did not warm up
         warm = requests[-1]
         send(client, model, Request(warm.prompt[:4], warm.temperature, warm.seed), 8, draft)
-        replies, tokens, seconds, waves = [], 0, 0.0, []
+        replies, tokens, seconds, waves, sent = [], 0, 0.0, [], set()
         with ThreadPoolExecutor(level) as pool:
             for wave in range(args.waves):
                 which = batch(level, wave, len(requests))
@@ -83,16 +83,19 @@ def cell(mode: str, level: int, requests: list[Request], args) -> dict:
                 got = list(pool.map(lambda i: send(client, model, requests[i], args.tokens, draft), which))
                 took, made = time.perf_counter() - start, sum(len(r["ids"]) for r in got)
                 seconds, tokens = seconds + took, tokens + made
-                waves.append(made / took)
+                waves.append((made / took, bool(sent.intersection(which))))
+                sent.update(which)
                 replies += [(i, r) for i, r in zip(which, got)]
     return {"replies": replies, "rate": tokens / seconds, "waves": waves, "warmed": warmed}
 
 
 def rate_line(run: dict) -> str:
-    """A cell's rate and each wave's own (a fresh server's first wave pays the shapes it meets first), and the
-    server's warm-up at load where it ran one."""
+    """A cell's rate and each wave's own, `r` after a wave that repeats a request of an earlier one (a drafted
+    server's prompt cache then holds its reply, which Recall copies), and the server's warm-up at load where it
+    ran one."""
     warmed = "" if run["warmed"] is None else f"; warmed up at load in {run['warmed']:.1f} s"
-    return f"{run['rate']:.1f} tok/s (waves {' '.join(f'{w:.0f}' for w in run['waves'])}{warmed})"
+    waves = " ".join(f"{rate:.0f}{'r' if repeats else ''}" for rate, repeats in run["waves"])
+    return f"{run['rate']:.1f} tok/s (waves {waves}{warmed})"
 
 
 def check(runs: list[dict], references: dict[str, list[list[int]]]) -> str | None:
@@ -122,6 +125,9 @@ def run_workload(name: str, args) -> bool:
     sampling = "greedy" if name == "code" else f"temperature {args.temperature}, seeded"
     print(f"\n## workload {name}: {len(requests)} distinct requests ({sampling}), {args.tokens} tokens each, "
           f"{args.waves} waves per cell, dtype {args.dtype}, BLAS {args.blas}\n")
+    if max(args.levels) * args.waves > len(requests):
+        print("waves marked r repeat requests an earlier wave of the cell sent: drafted, a request's reply may be "
+              "copied from its kept prompt state (Recall); --serve-flags '--prompt-cache-gib 0' keeps none\n")
     references: dict[str, dict[str, list[list[int]]]] = {mode: {} for mode in MODES}
     serial = one_by_one("plain", requests, args)  # plain mode sends draft: false, so alone it is the serial reference
     alone_ok = True  # a request no wave sends is still checked here, so its FAIL must fail the run too
@@ -196,13 +202,16 @@ def main() -> int:
     parser.add_argument("--random-len", type=int, default=64)
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0, help="the random workload's temperature")
+    parser.add_argument("--serve-flags", default="", help="more flags for every server, e.g. '--prompt-cache-gib 0' "
+                        "(no kept prompt states, so a repeated request recalls nothing)")
     args = parser.parse_args()
     if not (args.alone or args.serial):
         parser.error("--no-alone with --no-serial would quote rates for replies nothing checked")
     args.levels = [int(n) for n in args.levels.split(",")]
     print("\n".join(platform_lines(args.blas)))
-    print("a fresh server per cell (--parallel = the most streams); drafted and plain cells alternate; medians of "
-          f"{args.reps} reps")
+    also = f", {args.serve_flags.strip()}" if args.serve_flags.strip() else ""
+    print(f"a fresh server per cell (--parallel = the most streams{also}); drafted and plain cells alternate; "
+          f"medians of {args.reps} reps")
     ok = all([run_workload(name, args) for name in args.workload.split(",")])
     return 0 if ok else 1
 

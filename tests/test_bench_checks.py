@@ -334,3 +334,20 @@ def test_the_concurrent_bench_serves_a_model_directory_and_a_drafter_over_http_w
     assert "token ids checked (--serial) before any rate is quoted" in done.stdout
     row = next(line for line in done.stdout.splitlines() if line.startswith("| 2 "))
     assert row.split("|")[2].strip() == "equal"  # the lfm2 pair's replies, each as its request alone, undrafted
+
+
+def test_the_concurrent_bench_marks_each_wave_that_repeats_an_earlier_request_and_passes_serve_flags_on():
+    done = subprocess.run([sys.executable, "bench_concurrent.py", "--model", "tiny-llama", "--levels", "2",
+                           "--tokens", "4", "--reps", "1", "--waves", "6", "--no-alone", "--dtype", "float32",
+                           "--serve-flags", "--prompt-cache-gib 0"], capture_output=True, text=True, cwd=BENCH,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a fresh server per cell (--parallel = the most streams, --prompt-cache-gib 0)" in done.stdout
+    assert "waves marked r repeat requests an earlier wave of the cell sent" in done.stdout
+    # 11 code prompts two at a time: the sixth wave sends the last and the first again, each earlier one new prompts
+    line = next(line for line in done.stdout.splitlines() if line.startswith("rep 1 code level 2: "))
+    cells = re.findall(r"(plain|drafted) [\d.]+ tok/s \(waves ([^;)]+)", line)
+    assert [mode for mode, _ in cells] in (["plain", "drafted"], ["drafted", "plain"])
+    for _, waves in cells:
+        marks = [wave.endswith("r") for wave in waves.split()]
+        assert marks == [False] * 5 + [True]
