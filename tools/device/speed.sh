@@ -20,8 +20,9 @@
 #   normed    the norm folded into the bf16 GEMV against MLX's rms_norm + the plain GEMV, bits first, under ncu, with
 #             the ablations that find where its time goes (bench/bench_normed_gemv.py --ablations)
 #   exact     run_on_h200.sh exact: the probe and drafted == plain == concurrent per mode
-#   warmup    the inflated lfm2 pair (as dspark) served over HTTP at one stream, 12 waves of 256 tokens
-#             (bench_concurrent's per-wave rates: the 11 code prompts, then the first again), with TENSORFOLD_WARM_UP=1
+#   warmup    the inflated lfm2 pair (as dspark) served over HTTP at one stream, 11 waves of 256 tokens
+#             (bench_concurrent's per-wave rates: the 11 code prompts once each, since a drafted server recalls a
+#             repeated request's reply from its prompt cache; WARMUP_WAVES), with TENSORFOLD_WARM_UP=1
 #             then =0, fresh servers each: what a server's first requests pay with the warm-up at load and without;
 #             WARMUP_SIDES="1" or "0" runs one side (two calls on one warm machine, when one call's 600 s is short)
 #   served    the shipped pairs each served over HTTP by fresh servers that warm up at load (bench_concurrent, 1 and 4
@@ -91,7 +92,7 @@ for what in "${@:-bench pair exact contract affine}"; do
             --no-check > /dev/null; } && { [ -d /tmp/ld ] || python3 tools/zoo/inflate_lfm2.py --preset \
             lfm2-dspark-0.1b --out /tmp/ld --target /tmp/l1 --no-check > /dev/null; } && cd bench \
             && TENSORFOLD_WARM_UP=$side python3 bench_concurrent.py --model /tmp/l1 --drafter /tmp/ld --levels 1 \
-            --tokens 256 --reps 1 --waves ${WARMUP_WAVES:-12} --no-alone --dtype bfloat16" \
+            --tokens 256 --reps 1 --waves ${WARMUP_WAVES:-11} --no-alone --dtype bfloat16" \
             step warmup-$side "${CAP_WARMUP:-300}" bash contract/receipts/run_on_h200.sh exec
           mv "$receipt/exec.txt" "$receipt/warmup-$side.txt"
         done ;;
