@@ -29,8 +29,8 @@
 #             streams, 2 waves of 96 tokens, ids equal to "draft": false first), one pair a cell: SERVED_PAIRS
 #             (default "tiny-llama:tiny-llama-drafter tiny-lfm2-moe:tiny-lfm2-moe-dspark tiny-lfm2-moe-4bit:",
 #             MODEL:DRAFTER, none after the colon for copy drafts alone), SERVED_WORKLOADS (default code; code,random
-#             adds seeded prompts: each workload's four cells are four fresh servers, ~55 s each on an H100); needs
-#             the weights (stage.sh weights, or carry the pairs' dirs)
+#             adds seeded prompts: each workload's four cells are four fresh servers, ~55 s each on an H100, so the
+#             three pairs take two calls); needs the weights (stage.sh weights, or carry the pairs' dirs)
 #   load      the inflated 1B's load time with the self-test off, on, and on with its passes remembered
 #             (tools/device/load_time.py)
 #   kernels   a one-stream token's device time by kernel under Nsight Compute (tools/device/kernel_times.py --warm),
