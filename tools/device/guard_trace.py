@@ -172,14 +172,6 @@ def served_pair(target_dir: str, drafter_dir: str, slots: int, tokens: int, coun
     return target.model, plain, served, requests
 
 
-def plain_pass(model, plain, requests, plain_tally: dict):
-    """The plain engine's replies and seconds for a pass, its rounds tallied afresh."""
-    from bench_gpu_pair import together
-
-    plain_tally.clear()
-    return together(model, plain, requests)
-
-
 def main(argv: list[str] | None = None) -> int:
     from bench_gpu_pair import together
 
@@ -203,9 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     seen, tally = traced_guard(log), {}
     plain_tally = {}
     plain.round, served.round = tallied(plain, seen, plain_tally), tallied(served, seen, tally)
+
+    def plain_pass():
+        """The plain engine's replies and seconds for a pass, its rounds tallied afresh."""
+        plain_tally.clear()
+        return together(model, plain, requests())
+
     for n in range(args.passes):  # the first pass builds every kernel and shape, and the guard's first verdicts
         if not args.served_first:
-            plain_ids, plain_s = plain_pass(model, plain, requests(), plain_tally)
+            plain_ids, plain_s = plain_pass()
         log.clear()
         tally.clear()
         seen["phases"].clear()
@@ -214,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         seen["at"] = (traces.count(), seen["untraced"])  # marks from the served pass alone, not the plain one
         served_ids, served_s = together(model, served, requests())
         if args.served_first:
-            plain_ids, plain_s = plain_pass(model, plain, requests(), plain_tally)
+            plain_ids, plain_s = plain_pass()
         if served_ids != plain_ids:
             print(f"pass {n}: the served replies differ from the plain ones", file=sys.stderr)
             return 1

@@ -108,7 +108,8 @@ for what in "${@:-bench pair exact contract affine}"; do
         for pair in ${SERVED_PAIRS:-$pairs}; do
           model=${pair%%:*} drafter=${pair#*:}
           OUT=$receipt TF_EXEC="cd bench && python3 bench_concurrent.py --model $model ${drafter:+--drafter $drafter} \
-            --levels 1,4 --tokens 96 --reps 1 --waves 2 --workload ${SERVED_WORKLOADS:-code} --no-alone --dtype bfloat16" \
+            --levels 1,4 --tokens 96 --reps 1 --waves 2 --workload ${SERVED_WORKLOADS:-code} --no-alone \
+            --dtype bfloat16" \
             step "served-$model" "${CAP_SERVED:-260}" bash contract/receipts/run_on_h200.sh exec
           mv "$receipt/exec.txt" "$receipt/served-$model.txt"
         done ;;
