@@ -46,6 +46,9 @@ def all_cells(drafter: str) -> list[Cell]:
         # unpacked
         Cell("dspark-codes", "as dspark, the drafter's codes read in place (`TENSORFOLD_UNPACK_ONCE=0`)",
              ("--drafter", drafter), True, (("TENSORFOLD_UNPACK_ONCE", "0"),)),
+        # a drafting stream's next hold queued on its verify's device draws before the host reads them
+        Cell("dspark-ahead", "as dspark, holds queued before the verify is read (`TENSORFOLD_HOLD_AHEAD=1`)",
+             ("--drafter", drafter), True, (("TENSORFOLD_HOLD_AHEAD", "1"),)),
         # and the target's CPU forward as it was: a rope a stream, then every layer part op by op
         Cell("plain-rope-a-stream", "as plain, q and k roped a stream at a time (`TENSORFOLD_ROPE_ROWS=0`)",
              ("--drafter", "none"), False, (("TENSORFOLD_ROPE_ROWS", "0"),)),

@@ -228,7 +228,7 @@ VARIANTS = {"": {}, "op-by-op": {"TENSORFOLD_COMPILE": "0"}, "rope-rows": {"TENS
             "maxt2": {"TENSORFOLD_GEMV_MAXT": "2"},
             "conv-spans": {"TENSORFOLD_WHOLE_CONV_SPANS": "1"}, "unpadded": {"TENSORFOLD_WHOLE_PAD_ROWS": "0"},
             "trace-first": {"TENSORFOLD_WHOLE_TRACE_AFTER": "0"},
-            "lazy-catch-up": {"TENSORFOLD_DSPARK_LAZY_CATCH_UP": "1"}}
+            "lazy-catch-up": {"TENSORFOLD_DSPARK_LAZY_CATCH_UP": "1"}, "hold-ahead": {"TENSORFOLD_HOLD_AHEAD": "1"}}
 
 
 def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
@@ -271,7 +271,8 @@ def kernel_mode_child(script: str, mode: str, *args: str) -> dict:
     forward at every row count instead of padded to a multiple of 8, TENSORFOLD_WHOLE_PAD_ROWS=0, and `:trace-first`
     traces a whole forward's key at its first meeting, not its second, TENSORFOLD_WHOLE_TRACE_AFTER=0, and
     `:lazy-catch-up` leaves a held DSpark drafter's catch-up to its hold's async eval,
-    TENSORFOLD_DSPARK_LAZY_CATCH_UP=1): the JSON its last line prints."""
+    TENSORFOLD_DSPARK_LAZY_CATCH_UP=1, and `:hold-ahead` queues a drafting stream's next hold on its verify's device
+    draws before the host reads them, TENSORFOLD_HOLD_AHEAD=1): the JSON its last line prints."""
     served, _, variant = mode.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"mode {mode}: unknown variant {variant!r} (known: {', '.join(VARIANTS)})")

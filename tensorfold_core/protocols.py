@@ -97,6 +97,13 @@ class LookaheadModel(Model, Protocol):
         """`keep` without waiting: the same checks and commit, returning the arrays to evaluate with the next step."""
 
 
+def window_features(model, cache: Cache) -> mx.array | None:
+    """The tapped rows of `cache`'s open window, before its commit, where the model offers them (a drafter's hold
+    queued before the host reads the verify absorbs them at once); None where it does not or the window is untapped."""
+    rows = getattr(model, "window_features", None)
+    return rows(cache) if callable(rows) else None
+
+
 @runtime_checkable
 class TappedModel(Model, Protocol):
     """A model whose `taps` > 0: it hands a drafter (DSpark) the rows of the layers it names, and binds the drafter
@@ -207,6 +214,9 @@ class DrafterFacts:
     # its `propose` gives `HeldDrafts`: the hold is launched, not waited on, and a verify window reads its drafts on
     # the device; a stream with a grammar reads them back first (seed 002: `held_on_target`)
     held_on_target: bool = False
+    # a `HoldAheadDrafter`: the engine may queue a greedy stream's next hold on the verify's device draws before the
+    # host reads them (TENSORFOLD_HOLD_AHEAD=1), so the device runs verify and hold back to back
+    hold_ahead: bool = False
 
 
 DEPTH_RULE = DrafterFacts()
@@ -244,6 +254,31 @@ class ChanceDrafter(Drafter, Protocol):
     def chances(self, stream_id: int) -> Sequence[float] | None:
         """For the drafts the last `propose` gave this stream, the chance each lands with every draft before it (a
         running product, one per draft); None while that hold has not settled (it still runs on the device)."""
+
+
+@dataclass(frozen=True)
+class AheadAsk:
+    """A stream's next hold, asked before the host reads its verify: the window's tapped rows and the verify's
+    acceptance and bonus draw, all still on the device."""
+
+    stream_id: int
+    start: int  # the window's first position (its pending token's)
+    rows: mx.array  # the window's tapped rows [1 + drafts, taps * hidden], of which 1 + accepted are kept
+    accepted: mx.array  # drafts the verify accepts (int32 scalar)
+    pending: mx.array  # the verify's draw after them, the next window's pending token (uint32 scalar)
+    max_depth: int  # the most drafts the stream's next window may carry
+
+
+@runtime_checkable
+class HoldAheadDrafter(Drafter, Protocol):
+    """A drafter whose `facts.hold_ahead` is set (DSpark). Core calls these only where the facts say so."""
+
+    def hold_ahead(self, asks: Sequence[AheadAsk]) -> list[int]:
+        """Queue each ask's next hold on its device values, absorbing the window's rows (lazy, not waited on); the
+        streams queued. A later `propose` for one of them gives its queued drafts."""
+
+    def settle_ahead(self, stream_id: int, accepted: int, pending: int) -> None:
+        """The host read the verify: `accepted` of the window's drafts stand and `pending` follows them."""
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@ times and slots kept full, each on the tiny pair."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -154,6 +155,17 @@ def test_slots_kept_full_admit_a_request_as_a_stream_leaves_and_answer_each_as_i
     assert {"prompt", "plain"} <= set(split) <= {"prompt", "plain", "drafted"}
     assert sum(made for _, _, made in split.values()) == sum(map(len, ids))
     assert sum(s for s, _, _ in split.values()) <= seconds
+
+
+def test_the_kept_full_tool_with_holds_ahead_checks_a_third_engine_s_replies_and_prints_its_rate():
+    done = subprocess.run([sys.executable, str(TOOLS / "kept_full.py"), "tiny-lfm2-moe", "tiny-lfm2-moe-dspark",
+                           "--slots", "2", "--requests", "4", "--tokens", "12", "--passes", "1", "--hold-ahead"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["pass 0", "  plain", "  served", "  ahead"]
+    assert re.search(r"served [\d.]+ tok/s \([\d.]+x\).*, ahead [\d.]+ tok/s \([\d.]+x\); ahead drafted windows \d+",
+                     lines[1])
 
 
 def test_the_kept_full_tool_checks_the_served_replies_then_prints_both_rates_and_the_guard_s_bands():

@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-from tensorfold_core.lanes.ahead import LOOKAHEAD_ENV, Lookahead
+import mlx.core as mx
+
+from tensorfold_core.lanes.ahead import LOOKAHEAD_ENV, Lookahead, device_acceptance
+from tensorfold_core.lanes.engine import accepted_prefix
 from tensorfold_core.lanes.rows import Penalties
 from tensorfold_core.lanes.types import GenerationRequest
 from tensorfold_core.loading import load_model, start_drafter
@@ -224,3 +227,14 @@ def test_a_lone_stream_the_lone_guard_runs_plain_still_looks_up_copies_and_each_
     assert got[0] == got[1] and len(got[0]) == 40
     assert engine.drafter.name not in engine.counters.by_source  # the drafter is never asked
     assert sources == {"copy"} and ahead < 20  # copies land, and each one starts the undrafted count over
+
+
+def test_the_devices_acceptance_and_bonus_draw_are_the_hosts_for_every_window():
+    rng = random.Random(5)
+    cases = [([], [7]), ([3, 4], [3, 4, 9]), ([3, 4], [5, 4, 9]), ([3, 4, 6], [3, 8, 6, 1])]
+    cases += [([rng.randrange(4) for _ in range(d)], [rng.randrange(4) for _ in range(d + 1)])
+              for d in range(16) for _ in range(8)]
+    for drafts, draws in cases:
+        accepted, pending = device_acceptance(mx.array(drafts, mx.uint32), mx.array(draws, mx.uint32))
+        a = accepted_prefix(drafts, draws)
+        assert (accepted.item(), pending.item()) == (a, draws[a]), (drafts, draws)

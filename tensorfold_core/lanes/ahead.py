@@ -26,6 +26,17 @@ def greedy_ids(logits: mx.array) -> mx.array:
     return mx.argmax(mx.where(mx.isnan(logits), -mx.inf, logits), axis=-1)
 
 
+def device_acceptance(drafts: mx.array, draws: mx.array) -> tuple[mx.array, mx.array]:
+    """A window's verify on the device, as `accepted_prefix` on the host: the drafts equal to the draws from the first
+    (int32), and the draw after them, the next pending token (uint32)."""
+    depth = drafts.shape[0]
+    if depth == 0:
+        return mx.array(0, mx.int32), draws[0].astype(mx.uint32)
+    same = (drafts.astype(mx.uint32) == draws[:depth].astype(mx.uint32)).astype(mx.int32)
+    accepted = mx.sum(mx.cumprod(same)).astype(mx.int32)
+    return accepted, mx.take(draws, accepted).astype(mx.uint32)
+
+
 @dataclass
 class Launched:
     """A next step queued on the device: its caches (each with the step's window open) and its logits."""

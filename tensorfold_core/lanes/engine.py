@@ -10,9 +10,9 @@ import numpy as np
 
 from typing import cast
 
-from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
-                         HoldPricedDrafter, Model, TappedModel, can_keep_later)
-from .ahead import DEVICE_GREEDY_ENV, Lookahead, greedy_ids
+from ..protocols import (DEPTH_RULE, MAX_DRAFT_DEPTH, AheadAsk, ChanceDrafter, DraftAsk, Drafter, HeldDrafts,
+                         HoldAheadDrafter, HoldPricedDrafter, Model, TappedModel, can_keep_later, window_features)
+from .ahead import DEVICE_GREEDY_ENV, Lookahead, device_acceptance, greedy_ids
 from .copy import RECALL, CopyProposer
 from .grants import Held
 from .guards import PROBE_CATCH_UP, Ask, DraftPlanner, Verified
@@ -29,6 +29,9 @@ AHEAD_AFTER_UNDRAFTED = 3
 # drafts: on the H200 at 8 streams the rule of 3 ran 86 of 131 rounds ahead against plain's 119 of 135, for 9 drafted
 # windows of 967 (docs/performance.md, fifth visit)
 AHEAD_AFTER_UNDRAFTED_SHARED = 1
+# "1": a greedy round's drafting streams queue their next holds on the verify's device draws before the host reads
+# them, where the drafter can (`DrafterFacts.hold_ahead`); off until timed on a GPU (docs/speculation.md)
+HOLD_AHEAD_ENV = "TENSORFOLD_HOLD_AHEAD"
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Engine:
     def __init__(self, model: Model, *, prefill_chunk: int = 256, shared_rounds: bool = True,
                  drafter: Drafter | None = None, max_depth: int = MAX_DRAFT_DEPTH, timed: bool = False,
                  fixed_depth: int | None = None, copy_drafts: bool = True, on_leave=None, recall=None,
-                 lookahead: bool | None = None):
+                 lookahead: bool | None = None, hold_ahead: bool | None = None):
         self.model = model
         # a greedy round of streams that cannot draft queues its next step before the host reads it (None:
         # TENSORFOLD_LOOKAHEAD, default on)
@@ -64,6 +67,9 @@ class Engine:
         self._keeps_later = can_keep_later(model)  # a round's commits evaluated together (`_keep`)
         # a round whose every drawing row is plain greedy reads its ids, not its logits rows (TENSORFOLD_DEVICE_GREEDY)
         self.device_greedy = os.environ.get(DEVICE_GREEDY_ENV, "1") != "0"
+        # a drafting stream's next hold queued on its verify's device draws (None: TENSORFOLD_HOLD_AHEAD, default off)
+        wanted = os.environ.get(HOLD_AHEAD_ENV, "0") == "1" if hold_ahead is None else hold_ahead
+        self.holds_ahead = wanted and drafter is not None and drafter.facts.hold_ahead
         self.id_rounds = 0  # forwards whose draws were read as the device's greedy ids (tests and figures)
         self.prefill_chunk = prefill_chunk
         # without row invariance a stream's rows would depend on its neighbours, so each runs alone, undrafted
@@ -309,6 +315,7 @@ class Engine:
                     tokens = self.ahead.launch(group, logits, ids)  # each window's row kept: the next step is queued
                 else:
                     self.ahead.held += 1
+            queued = self._queue_holds(group, ids) if tokens is None else set()
             rows = np.array(logits if ids is None else ids, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
@@ -333,6 +340,8 @@ class Engine:
             row += n
             firsts.append(draws[0])
             accepted = accepted_prefix(turn.drafts, draws)
+            if stream.id in queued:  # the hold queued on the device's acceptance learns the host's
+                cast(HoldAheadDrafter, self.drafter).settle_ahead(stream.id, accepted, draws[accepted])
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
             if tokens is None:  # a round that ran ahead kept its one row already
                 kept += self._keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
@@ -349,6 +358,26 @@ class Engine:
         if tokens is not None:
             self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
+
+    def _queue_holds(self, group: list[Turn], ids: mx.array | None) -> set[int]:
+        """Each drafting stream's next hold, queued on the verify's device draws before the host reads them (a round
+        whose draws are all plain greedy, so the device's argmax is the host's draw); the stream ids queued."""
+        if not self.holds_ahead or ids is None:
+            return set()
+        mx.async_eval(ids)  # the verify's own eval first: the host's read waits for it, not for the holds behind it
+        asks, row = [], 0
+        for turn in group:
+            if not turn.draws:
+                continue
+            stream, n = turn.stream, 1 + len(turn.drafts)
+            room = min(stream.request.max_tokens - stream.generated, stream.limit - len(stream.tokens))
+            rows = window_features(self.model, stream.cache) if turn.source == self.drafter.name else None
+            if rows is not None and room > n:  # a stream that may end in this round asks no hold
+                drafts = turn.drafts.ids if isinstance(turn.drafts, HeldDrafts) else mx.array(turn.drafts, mx.uint32)
+                accepted, pending = device_acceptance(drafts, ids[row:row + n])
+                asks.append(AheadAsk(stream.id, stream.cache.offset, rows, accepted, pending, self.depth_for(stream)))
+            row += n
+        return set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks)) if asks else set()
 
     def _keep(self, cache, rows: int) -> list:
         """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a

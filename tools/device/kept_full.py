@@ -2,6 +2,7 @@
 reply's ids equal to the plain one's before any rate prints.
 
     python3 tools/device/kept_full.py TARGET DRAFTER [--slots 8] [--requests 32] [--tokens 128] [--passes 3]
+                                      [--hold-ahead]
 
 A wave of N requests at once (bench_gpu_pair's streams cells, guard_trace.py) ends with its slowest reply: the
 streams whose drafts land finish early, and the ones whose drafts do not are left decoding at two or three streams,
@@ -10,7 +11,8 @@ its rate is the rounds' own; this keeps `--slots` streams running from a queue o
 cycled) until the queue is empty, one engine a mode for every pass (the first pass builds every kernel and shape and
 teaches the guards, as a server's first requests do). Prints each pass's rates, the served engine's drafted windows,
 the shared guard's verdicts by band, and each engine's time by round kind (rounds reading a prompt chunk, drafted
-rounds, plain ones). Run it through `run_on_h200.sh exec` on a GPU.
+rounds, plain ones). `--hold-ahead` runs a third engine a pass, served with each drafting stream's next hold queued
+before the host reads its verify (`TENSORFOLD_HOLD_AHEAD`). Run it through `run_on_h200.sh exec` on a GPU.
 """
 
 from __future__ import annotations
@@ -85,24 +87,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--hold-ahead", action="store_true", help="a third engine, served with holds queued ahead")
     args = parser.parse_args(argv)
 
+    from tensorfold_core.lanes.engine import Engine
+
     model, plain, served, requests = served_pair(args.target, args.drafter, args.slots, args.tokens, args.requests)
+    engines = {"served": served}
+    if args.hold_ahead:
+        engines["ahead"] = Engine(model, shared_rounds=served.shared_rounds, drafter=served.drafter, timed=True,
+                                  hold_ahead=True)
+        engines["ahead"].time_rows(args.slots)
     print(f"{args.requests} requests of {args.tokens} tokens through {args.slots} slots kept full")
     for n in range(args.passes):
-        plain_split, served_split = {}, {}
+        plain_split = {}
         plain_ids, plain_s = kept_full(model, plain, requests(), args.slots, plain_split)
-        before = served.counters.drafts
-        served_ids, served_s = kept_full(model, served, requests(), args.slots, served_split)
-        differ = next((i for i, (a, b) in enumerate(zip(plain_ids, served_ids)) if a != b), None)
-        if differ is not None:
-            print(f"pass {n}: request {differ}'s served reply differs from its plain one", file=sys.stderr)
-            return 1
-        tokens = sum(map(len, served_ids))
-        print(f"pass {n}: plain {tokens / plain_s:.1f} tok/s, served {tokens / served_s:.1f} tok/s "
-              f"({plain_s / served_s:.2f}x); served drafted windows {served.counters.drafts - before}; "
-              f"{verdicts(served)}")
-        print(f"  plain: {round_kinds(plain_split)}\n  served: {round_kinds(served_split)}")
+        parts = [f"pass {n}: plain {sum(map(len, plain_ids)) / plain_s:.1f} tok/s"]
+        splits = [f"  plain: {round_kinds(plain_split)}"]
+        for name, engine in engines.items():
+            split, before = {}, engine.counters.drafts
+            ids, seconds = kept_full(model, engine, requests(), args.slots, split)
+            differ = next((i for i, (a, b) in enumerate(zip(plain_ids, ids)) if a != b), None)
+            if differ is not None:
+                print(f"pass {n}: request {differ}'s {name} reply differs from its plain one", file=sys.stderr)
+                return 1
+            parts.append(f"{name} {sum(map(len, ids)) / seconds:.1f} tok/s ({plain_s / seconds:.2f}x); {name} "
+                         f"drafted windows {engine.counters.drafts - before}; {verdicts(engine)}")
+            splits.append(f"  {name}: {round_kinds(split)}")
+        print(", ".join(parts))
+        print("\n".join(splits))
     return 0
 
 

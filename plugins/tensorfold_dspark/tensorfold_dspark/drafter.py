@@ -15,14 +15,14 @@ from tensorfold_core.checkpoint import Checkpoint
 from tensorfold_core.errors import DrafterError
 from tensorfold_core.families import GROW_STEP
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HOLD_DEPTHS, HoldCosts
-from tensorfold_core.protocols import (DEPTH_RULE, Cache, DraftAsk, DrafterFacts, HeldDrafts, Model as TargetModel,
-                                       TappedModel, held_on_target_wanted)
+from tensorfold_core.protocols import (DEPTH_RULE, AheadAsk, Cache, DraftAsk, DrafterFacts, HeldDrafts,
+                                       Model as TargetModel, TappedModel, TappedRows, held_on_target_wanted)
 from tensorfold_core.sequences import common_prefix
 from tensorfold_core.specs import DrafterOptions
 
 from .lane import Lane
 from .load import BITS, args_of, load
-from .model import Block, Model, Span
+from .model import AheadBlock, Block, Model, Span
 from .serving import serve_kernels
 
 CATCH_UP_ROWS = 16  # a lane lagging by more rows (a prompt, a stretch stood aside) is absorbed before the chain
@@ -68,6 +68,16 @@ def admit(target: TargetModel, drafter_ckpt: Checkpoint, bits: int | None = None
 
 # ---- the drafter ----
 
+@dataclasses.dataclass
+class QueuedHold:
+    """A hold queued before its stream's verify was read (`hold_ahead`): its drafts and where its window stood."""
+
+    drafts: HeldDrafts
+    start: int  # the verify window's first position
+    tokens: int = -1  # the stream's token count its drafts follow, once the host read the verify (-1: not yet)
+    pending: int = -1  # the token they follow
+
+
 @dataclasses.dataclass(frozen=True)
 class KeptLane:
     """A lane kept with a prompt state (a `KeptContext`): the context of its state's first `tokens` tokens."""
@@ -101,8 +111,9 @@ class DSparkDrafter:
         # and its hold, a pass of its own, is priced by the holds timed below (the depth rule prices chain steps)
         # either way its lanes are kept with the prompt states, so a resumed stream drafts from its whole context
         self.facts = (DrafterFacts(chances=True, slack=SLACK, hold_rows=HOLD_ROWS, hold_costs=True,
-                                   shared_guard=True, lone_guard=True, catch_up=HOLD_CATCH_UP, kept_context=True)
-                      if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True))
+                                   shared_guard=True, lone_guard=True, catch_up=HOLD_CATCH_UP, kept_context=True,
+                                   hold_ahead=True)
+                      if args.confidence else dataclasses.replace(DEPTH_RULE, kept_context=True, hold_ahead=True))
         if held_on_target_wanted():
             self.facts = dataclasses.replace(self.facts, held_on_target=True)
         self.lazy_catch_up = os.environ.get(LAZY_CATCH_UP_ENV, "0") == "1"
@@ -111,7 +122,9 @@ class DSparkDrafter:
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
-        self.stats = dict(holds=0, held=0, absorbed=0, lane_reuses=0, lane_resumes=0)
+        self._depths: dict[int, int] = {}  # per stream, the drafts its last ask asked: a queued hold drafts as many
+        self._ahead: dict[int, QueuedHold] = {}  # per stream, the hold queued on its last verify's device draws
+        self.stats = dict(holds=0, held=0, absorbed=0, lane_reuses=0, lane_resumes=0, ahead=0, ahead_used=0)
 
     # -- what the ledger reads: a lane is sized at admission and never grows while its stream decodes --
 
@@ -140,6 +153,8 @@ class DSparkDrafter:
         keep of the stream (`keep_context`, cuts and all); the oldest kept give way."""
         lane = self.lanes.pop(stream_id, None)
         self._chances.pop(stream_id, None)
+        self._depths.pop(stream_id, None)
+        self._ahead.pop(stream_id, None)
         if lane is None:
             return
         lane.pending = []
@@ -217,10 +232,11 @@ class DSparkDrafter:
 
     def _propose(self, asks: Sequence[DraftAsk], held: bool) -> list:
         drafts: list = [[] for _ in asks]
+        work = [w for w in self._sync(asks) if not self._take_ahead(asks[w[0]], w[2], drafts, w[0])]
         if not held:
-            for ask in asks:  # a stream asked but not held this time has no chances to report
-                self._chances.pop(ask.stream_id, None)
-        work = self._sync(asks)
+            for i, ask in enumerate(asks):  # a stream asked but not held this time has no chances to report
+                if not isinstance(drafts[i], HeldDrafts):
+                    self._chances.pop(ask.stream_id, None)
         if not work:
             return drafts
         work.sort(key=lambda w: -w[2])  # deepest first: each Markov step's streams are a prefix of the last's
@@ -266,6 +282,7 @@ class DSparkDrafter:
                 continue
             lane = self._lane(ask.stream_id, tokens, ask.limit)
             lane.tokens = tokens
+            self._depths[ask.stream_id] = depth
             if ask.cache is not None:
                 taken = self.target.take_features(ask.cache)
                 if taken is not None:
@@ -279,6 +296,16 @@ class DSparkDrafter:
         pieces = [(lane, piece) for lane, bound in work for piece in lane.fresh(bound)]
         if not pieces:
             return 0
+        written = self._context_of(pieces)
+        self._write(written)
+        for lane, piece in pieces:
+            lane.advance(piece.start, piece.rows.shape[0])
+        rows = sum(piece.rows.shape[0] for _, piece in pieces)
+        self.stats["absorbed"] += rows
+        return rows
+
+    def _context_of(self, pieces: list[tuple[Lane, TappedRows]]) -> list[tuple[Lane, list]]:
+        """Each piece's keys and values a layer, from one fc + hidden_norm over every piece's tapped rows."""
         rows = [piece.rows for _, piece in pieces]
         c = self.model.context_rows((rows[0] if len(rows) == 1 else mx.concatenate(rows)).astype(self.dtype))
         spans, at = [], 0
@@ -286,12 +313,13 @@ class DSparkDrafter:
             spans.append(Span(at, piece.rows.shape[0], piece.start))
             at += piece.rows.shape[0]
         layers = self.model.context(c, spans)
-        for j, (lane, piece) in enumerate(pieces):
-            for layer, per_span in enumerate(layers):
-                lane.write(layer, *per_span[j])
-            lane.advance(piece.start, piece.rows.shape[0])
-        self.stats["absorbed"] += at
-        return at
+        return [(lane, [per_span[j] for per_span in layers]) for j, (lane, _) in enumerate(pieces)]
+
+    def _write(self, written: list[tuple[Lane, list]]) -> None:
+        """Each lane's new rows into its buffers from its row n (its host length moves apart: `Lane.advance`)."""
+        for lane, layers in written:
+            for layer, (keys, values) in enumerate(layers):
+                lane.write(layer, keys, values)
 
     def _propose_held(self, asks: Sequence[DraftAsk], work: list, lanes: list[Lane], drafts: list) -> list:
         """The hold launched and not waited on: each stream's drafts stay on the device (`HeldDrafts`) until its
@@ -308,26 +336,95 @@ class DSparkDrafter:
             raise
         self.stats["holds"] += 1
         self.stats["held"] += 1
+        for (i, _, depth, _), held_drafts in zip(work, self._hand_held(steps, chances, [(asks[i].stream_id, depth)
+                                                                                      for i, _, depth, _ in work])):
+            drafts[i] = held_drafts
+        return drafts
+
+    def _hand_held(self, steps: list[mx.array], chances: list[mx.array],
+                   streams: list[tuple[int, int]]) -> list[HeldDrafts]:
+        """Each (stream, depth)'s drafts of a launched hold, on the device; the first read settles them all: the
+        picks on the host, and their chances become the streams' settled ones."""
         settled: list = []
 
         def settle() -> list[list[int]]:
-            """The hold's picks on the host, read once; its chances become the streams' settled ones."""
             if not settled:
                 settled.append([s.tolist() for s in steps])
                 values = [c.tolist() for c in chances]
-                for j, (i, _, depth, _) in enumerate(work):
+                for j, (stream_id, depth) in enumerate(streams):
                     running, out = 1.0, []
                     for s in range(depth if values else 0):
                         running *= values[s][j]
                         out.append(running)
                     if out:
-                        self._chances[asks[i].stream_id] = out
+                        self._chances[stream_id] = out
             return settled[0]
 
-        for j, (i, _, depth, _) in enumerate(work):
-            ids = mx.concatenate([steps[s][j:j + 1] for s in range(depth)])
-            drafts[i] = HeldDrafts(ids, lambda j=j, depth=depth: [settle()[s][j] for s in range(depth)])
-        return drafts
+        return [HeldDrafts(mx.concatenate([steps[s][j:j + 1] for s in range(depth)]),
+                           lambda j=j, depth=depth: [settle()[s][j] for s in range(depth)])
+                for j, (_, depth) in enumerate(streams)]
+
+    # -- holds queued before the host reads the verify (`facts.hold_ahead`) --
+
+    def hold_ahead(self, asks: Sequence[AheadAsk]) -> list[int]:
+        """Each ask's next hold on its verify's device values, launched and not waited on: the lane absorbs the
+        window's rows at once (the rows past the acceptance masked, and overwritten by the next absorb) and the block
+        starts from the verify's bonus draw; the streams queued (a lane not caught up to the window holds in step)."""
+        # a queued hold its stream's next round did not take stays until the stream's next queue or its release: it
+        # can never be taken, since every round commits a token and `_take_ahead` matches the token count
+        work = []
+        for ask in asks:
+            lane = self.lanes.get(ask.stream_id)
+            depth = min(self._depths.get(ask.stream_id, 0), ask.max_depth, self.block_size)
+            if lane is not None and depth > 0 and lane.end == ask.start and not lane.pending:
+                work.append((ask, lane, depth))
+        if not work:
+            return []
+        work.sort(key=lambda w: -w[2])  # deepest first, as `_hold_graph` steps them
+        cap = max(1, HOLD_ROWS // len(work))  # the queued blocks fit one hold pass
+        depths = [min(depth, cap) for _, _, depth in work]
+        lanes = [lane for _, lane, _ in work]
+        try:
+            bounds = [lane.n + ask.rows.shape[0] for ask, lane, _ in work]
+            self._write(self._context_of([(lane, TappedRows(ask.start, ask.rows)) for ask, lane, _ in work]))
+            ids, blocks, row = [], [], 0
+            for (ask, lane, _), depth, bound in zip(work, depths, bounds):
+                ids += [ask.pending.reshape(1)] + ([mx.full((depth - 1,), self.mask_id, mx.uint32)] if depth > 1
+                                                    else [])
+                positions = ask.start + 1 + ask.accepted + mx.arange(depth, dtype=mx.int32)
+                length = bound - ask.rows.shape[0] + 1 + ask.accepted
+                blocks.append(AheadBlock(row, depth, positions, lane, length, bound))
+                row += depth
+            previous = mx.concatenate([ask.pending.reshape(1) for ask, _, _ in work])
+            steps, flags, chances = self._draft_blocks(mx.concatenate(ids), blocks, previous, depths)
+            mx.async_eval(steps, flags, chances, [a for lane in lanes for a in lane.keys + lane.values])
+        except Exception:  # the streams' lanes start afresh; their next holds run in step
+            self._drop(lanes)
+            return []
+        held = self._hand_held(steps, chances, [(ask.stream_id, depth) for (ask, _, _), depth in zip(work, depths)])
+        for (ask, _, _), drafts in zip(work, held):
+            self._ahead[ask.stream_id] = QueuedHold(drafts, ask.start)
+        self.stats["holds"] += 1
+        self.stats["ahead"] += len(work)
+        return [ask.stream_id for ask, _, _ in work]
+
+    def settle_ahead(self, stream_id: int, accepted: int, pending: int) -> None:
+        """The host read the verify: the lane keeps the window's first 1 + accepted rows, and the queued drafts
+        follow `pending` at the stream's next ask."""
+        queued, lane = self._ahead.get(stream_id), self.lanes.get(stream_id)
+        if queued is None or lane is None:
+            return
+        lane.advance(queued.start, 1 + accepted)
+        queued.tokens, queued.pending = queued.start + accepted + 2, pending
+
+    def _take_ahead(self, ask: DraftAsk, depth: int, drafts: list, i: int) -> bool:
+        """Whether the ask's stream has a queued hold for the context it asks with: its first `depth` drafts."""
+        queued = self._ahead.pop(ask.stream_id, None)
+        if queued is None or queued.tokens != len(ask.tokens) or queued.pending != ask.tokens[-1]:
+            return False
+        drafts[i] = queued.drafts[:depth]
+        self.stats["ahead_used"] += 1
+        return True
 
     def _hold(self, contexts: list[Sequence[int]], lanes: list[Lane], depths: list[int]):
         """The hold's graph, then one eval for the whole hold, the lanes' absorbed rows included: its picks, NaN
@@ -344,9 +441,13 @@ class DSparkDrafter:
             ids += [context[-1]] + [self.mask_id] * (depth - 1)
             blocks.append(Block(row, depth, len(context) - 1, lane))  # the pending token's own position
             row += depth
-        final = self.model.blocks(self.target.embed(mx.array(ids, dtype=mx.uint32)), blocks)
-        logits = self.target.head(final)
         previous = mx.array([context[-1] for context in contexts], dtype=mx.uint32)
+        return self._draft_blocks(mx.array(ids, dtype=mx.uint32), blocks, previous, depths)
+
+    def _draft_blocks(self, ids: mx.array, blocks: list, previous: mx.array, depths: list[int]):
+        """The blocks' layers and the target's head, then each step's Markov picks (deepest block first)."""
+        final = self.model.blocks(self.target.embed(ids), blocks)
+        logits = self.target.head(final)
         steps, flags, rows, before = [], [], [], []
         for step in range(depths[0]):
             m = sum(1 for d in depths if d > step)
@@ -444,6 +545,7 @@ class DSparkDrafter:
     def close(self) -> None:
         """Drop every lane, live or kept, stop the target's taps, and give MLX's cached buffers back."""
         self.lanes.clear()
+        self._ahead.clear()
         self.kept.clear()
         self._chances.clear()
         self.target.features([])

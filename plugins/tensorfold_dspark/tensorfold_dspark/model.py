@@ -103,6 +103,18 @@ class Block(NamedTuple):
     lane: "ContextKV"
 
 
+class AheadBlock(NamedTuple):
+    """A block queued before the host read its verify: its rows' positions and its context's length are device
+    values; the lane's rows are read up to a host bound, past the length masked."""
+
+    start: int
+    n: int
+    positions: mx.array  # [n] int32: the absolute position of each row
+    lane: "ContextKV"
+    length: mx.array  # the context rows the block attends (int32 scalar), at most `bound`
+    bound: int
+
+
 class ContextKV(Protocol):
     """What a block attends besides itself: each layer's context keys (rotated) and values, `n` rows of them."""
 
@@ -170,6 +182,8 @@ class Attention(nn.Module):
         keys, values = self.keys_values(x)
         if streams is not None:
             return self.o_proj(self.mix_streams(queries, keys, values, streams, layer).astype(x.dtype))
+        if isinstance(blocks[0], AheadBlock):
+            return self.o_proj(self.masked_blocks(queries, keys, values, blocks, layer))
         if self.attend is None:  # MLX's ops: every block's rows roped in one call
             positions = row_positions(blocks)
             queries, keys = self.rope_rows(queries, positions), self.rope_rows(keys, positions)
@@ -186,6 +200,19 @@ class Attention(nn.Module):
             outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs))
 
+
+    def masked_blocks(self, queries: mx.array, keys: mx.array, values: mx.array, blocks: Sequence[AheadBlock],
+                      layer: int) -> mx.array:
+        """Queued blocks over their lanes' contexts of device lengths (MLX's ops with a mask): [rows, heads * dim]."""
+        positions = blocks[0].positions if len(blocks) == 1 else mx.concatenate([b.positions for b in blocks])
+        queries, keys = self.rope_rows(queries, positions), self.rope_rows(keys, positions)
+        outs = []
+        for b in blocks:
+            q, k, v = (a[b.start:b.start + b.n][None].transpose(0, 2, 1, 3) for a in (queries, keys, values))
+            o = masked_block_attention(q, b.lane.keys[layer], b.lane.values[layer], b.bound, b.length, k, v,
+                                       self.scale)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(b.n, -1))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs)
 
     def mix_streams(self, queries: mx.array, keys: mx.array, values: mx.array, streams: "HoldStreams",
                     layer: int) -> mx.array:
@@ -229,6 +256,16 @@ def block_attention(q: mx.array, context_keys: mx.array, context_values: mx.arra
     k = mx.concatenate([context_keys[..., :n, :], block_keys], axis=2)
     v = mx.concatenate([context_values[..., :n, :], block_values], axis=2)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
+
+
+def masked_block_attention(q: mx.array, context_keys: mx.array, context_values: mx.array, bound: int,
+                           length: mx.array, block_keys: mx.array, block_values: mx.array, scale: float) -> mx.array:
+    """`block_attention` over a context whose length is a device value: the lane's first `bound` rows are read and
+    those from `length` on masked, so the queue needs no host read of the verify."""
+    k = mx.concatenate([context_keys[..., :bound, :], block_keys], axis=2)
+    v = mx.concatenate([context_values[..., :bound, :], block_values], axis=2)
+    visible = mx.concatenate([mx.arange(bound) < length, mx.ones((block_keys.shape[2],), mx.bool_)])
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=visible[None, None, None, :])
 
 
 class MLP(nn.Module):
@@ -323,7 +360,7 @@ class Model(nn.Module):
     def blocks(self, h: mx.array, blocks: Sequence[Block]) -> mx.array:
         """The layers over packed block rows, each block attending its own lane's context; the final norm."""
         streams = None
-        if self.streams_rowmap is not None and len(blocks) > 1:  # where the streams record serves (serving.py); one
+        if self.streams_rowmap is not None and len(blocks) > 1 and not isinstance(blocks[0], AheadBlock):  # where the streams record serves (serving.py); one
             # block keeps its own launch, which reads no row map made on the host
             streams = hold_streams(blocks, self.streams_rowmap)
         for i, layer in enumerate(self.layers):

@@ -350,7 +350,7 @@ def headless(tmp_path_factory, target, target_dir):
 
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_checkpoint_without_the_confidence_head_verifies_by_the_depth_rule(target, headless, references, parallel):
-    assert headless.facts == dataclasses.replace(DEPTH_RULE, kept_context=True)
+    assert headless.facts == dataclasses.replace(DEPTH_RULE, kept_context=True, hold_ahead=True)
     run, grants = granted_run(target, headless, parallel)
     for sid, request in enumerate(requests()):
         run.submit(sid, request)

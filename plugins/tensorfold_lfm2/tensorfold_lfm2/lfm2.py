@@ -434,6 +434,10 @@ class Model(nn.Module):
     def take_features(self, cache: HybridCache) -> TappedRows | None:
         return cache.take_taps()
 
+    def window_features(self, cache: HybridCache) -> mx.array | None:
+        """The open window's tapped rows before its commit (lazy; None where the window is not tapped)."""
+        return cache.tapped
+
     def tap_from(self, cache: HybridCache, position: int) -> None:
         cache.taps_from = position
 

@@ -1,0 +1,136 @@
+"""Holds queued before the host reads the verify (TENSORFOLD_HOLD_AHEAD=1): the lane absorbs the window's rows and
+the block starts from the device's bonus draw, so the drafts equal an in-step hold's and the replies plain decoding."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tensorfold_core.lanes.engine import HOLD_AHEAD_ENV, Engine
+from tensorfold_core.loading import load_target, start_drafter
+from tensorfold_core.options import ServeOptions
+from tensorfold_core.protocols import HELD_ENV
+from tensorfold_core.testing import Run, drive
+from tensorfold_dspark.drafter import DSparkDrafter
+
+from test_dspark_pricing import NAME, TARGET, plain_replies, requests
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = load_target(TARGET, ServeOptions(dtype="float32"))
+    drafter = start_drafter(NAME, target.model, target.tokenizer)
+    yield target, drafter
+    drafter.close()
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return plain_replies(pair[0])
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    monkeypatch.setenv(HOLD_AHEAD_ENV, "1")
+
+
+@pytest.fixture
+def compared(monkeypatch):
+    """Each queued hold a stream takes, beside the hold its lane would run in step at that depth: [(queued, in step)]."""
+    pairs = []
+    take = DSparkDrafter._take_ahead
+
+    def take_and_compare(self, ask, depth, drafts, i):
+        queued = self._ahead.get(ask.stream_id)
+        taken = take(self, ask, depth, drafts, i)
+        if taken:
+            steps, _, _ = self._hold([ask.tokens], [self.lanes[ask.stream_id]], [len(queued.drafts)])
+            pairs.append((queued.drafts.read(), [step[0] for step in steps]))
+        return taken
+
+    monkeypatch.setattr(DSparkDrafter, "_take_ahead", take_and_compare)
+    return pairs
+
+
+def test_the_drafter_says_it_can_hold_ahead_and_the_engine_does_only_when_asked(pair, monkeypatch):
+    target, drafter = pair
+    assert drafter.facts.hold_ahead
+    monkeypatch.delenv(HOLD_AHEAD_ENV, raising=False)
+    assert not Engine(target.model, drafter=drafter).holds_ahead  # off until timed on a GPU
+    monkeypatch.setenv(HOLD_AHEAD_ENV, "1")
+    assert Engine(target.model, drafter=drafter).holds_ahead
+    assert not Engine(target.model, drafter=None).holds_ahead
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_queued_holds_draft_what_in_step_holds_draft_and_the_replies_equal_plain_decoding(pair, plain, ahead, compared,
+                                                                                         parallel):
+    target, drafter = pair
+    before = dict(drafter.stats)
+    assert drive(target.model, drafter, requests(target, False), parallel, timed=False) == plain[False]
+    used = drafter.stats["ahead_used"] - before["ahead_used"]
+    assert used > 10 and drafter.stats["ahead"] - before["ahead"] >= used
+    assert len(compared) == used
+    assert all(queued == in_step for queued, in_step in compared)  # draft for draft, on the CPU
+
+
+def test_lanes_fed_by_queued_holds_hold_the_rows_in_step_lanes_hold(pair, monkeypatch):
+    target, drafter = pair
+    lanes = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(HOLD_AHEAD_ENV, on)
+        drafter.shed_kept()
+        used = drafter.stats["ahead_used"]
+        drive(target.model, drafter, requests(target, False), 1, timed=False)
+        assert (drafter.stats["ahead_used"] - used >= 10) == (on == "1")
+        lanes[on] = {tuple(lane.tokens): (lane.n, lane.spans, [k[..., :lane.n, :] for k in lane.keys + lane.values])
+                     for lane in drafter.kept}  # each stream's lane, kept at its release
+    assert lanes["0"].keys() == lanes["1"].keys() and len(lanes["0"]) >= 4
+    for tokens, (n, spans, rows) in lanes["0"].items():
+        n_ahead, spans_ahead, rows_ahead = lanes["1"][tokens]
+        # a queued hold absorbs its window's rows at once, an in-step one at the stream's next hold
+        assert n_ahead >= n > 0 and spans == [(0, n)] and spans_ahead == [(0, n_ahead)]
+        assert all(mx.array_equal(a, b[..., :n, :]).item() for a, b in zip(rows, rows_ahead))
+
+
+def test_seeded_streams_hold_in_step_and_their_replies_equal_plain_decoding(pair, plain, ahead):
+    target, drafter = pair
+    queued = drafter.stats["ahead"]
+    assert drive(target.model, drafter, requests(target, True), 4, timed=False) == plain[True]
+    assert drafter.stats["ahead"] == queued  # a seeded row's draw is the host's, not the device's argmax
+
+
+def test_holds_queued_on_drafts_held_on_the_device_give_replies_equal_to_plain_decoding(pair, plain, ahead,
+                                                                                       monkeypatch):
+    target, drafter = pair
+    monkeypatch.setenv(HELD_ENV, "1")
+    held = start_drafter(NAME, target.model, target.tokenizer)  # the facts are read at start
+    try:
+        assert held.facts.held_on_target and held.facts.hold_ahead
+        assert drive(target.model, held, requests(target, False), 4, timed=False) == plain[False]
+        assert held.stats["ahead_used"] > 0
+    finally:
+        held.close()
+        target.model.features(drafter.model.args.target_layer_ids)  # close() untapped the shared target
+
+
+def test_streams_joining_and_a_cancelled_neighbour_change_no_reply_while_holds_run_ahead(pair, plain):
+    target, drafter = pair
+    reqs = requests(target, False)
+    run = Run(target.model, 3)
+    run.engine = Engine(target.model, prefill_chunk=8, drafter=drafter, timed=False, hold_ahead=True)
+    used = drafter.stats["ahead_used"]
+    run.submit(0, reqs[0])
+    for _ in range(6):
+        run.step()
+    run.submit(1, reqs[1])
+    run.submit(2, reqs[2])
+    for _ in range(6):
+        run.step()
+    run.engine.cancel(2)  # its queued hold, if any, goes with its lane
+    run.submit(3, reqs[3])
+    run.submit(4, reqs[7])
+    run.finish()
+    assert run.done(2).finish_reason == "cancelled" and drafter.stats["ahead_used"] > used
+    for sid, ref in [(0, 0), (1, 1), (3, 3), (4, 7)]:
+        assert run.tokens(sid) == plain[False][ref], f"stream {sid}"
