@@ -405,6 +405,8 @@ def run_family(name: str, tokens: int, prompts: int, streams: list[int], seconds
         cases.resumed(f"resumed plain {streams[0]} together", serial, streams[0])
         if drafter is not None:
             cases.resumed(f"resumed drafted {streams[0]} together", drafted, streams[0])
+            if getattr(drafter, "stats", {}).get("ahead"):  # TENSORFOLD_HOLD_AHEAD=1: holds queued, and taken
+                report["holds ahead (queued/taken)"] = f"{drafter.stats['ahead']}/{drafter.stats['ahead_used']}"
             drafter.close()
     report.update(cases=sum(r["cases"] for r in check.runs.values()), mismatches=check.mismatches,
                   cut=sum(r["cut"] for r in check.runs.values()), runs=check.runs, speeds=cases.speeds,

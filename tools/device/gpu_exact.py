@@ -54,6 +54,8 @@ def summary(reports: list[dict]) -> list[str]:
                      f"{sum(v['cached_tokens'] for v in runs):>14} {r['seconds']:>7}")
         if not r["probe"]["row_invariant"]:
             notes.append(f"{r['family']} {r['mode']}: probe: {r['probe']['detail']}")
+        if "holds ahead (queued/taken)" in r:
+            notes.append(f"{r['family']} {r['mode']}: holds ahead queued/taken {r['holds ahead (queued/taken)']}")
         if r["cut"]:
             notes.append(f"{r['family']} {r['mode']}: {r['cut']} cases cut at --builtin-seconds (not compared)")
         if r["cases"] + r["cut"] != r["expected cases"]:
