@@ -248,6 +248,26 @@ def hold_streams(blocks: Sequence[Block], rowmap_of) -> HoldStreams:
     return arange_positions([(b.offset, b.n) for b in blocks]), groups
 
 
+def ahead_streams(blocks: Sequence[AheadBlock]) -> HoldStreams:
+    """`hold_streams` for queued blocks: each row map's n is its block's device length, which the streams kernels
+    read from the row map (the spec's n, the host's bound, only checks that the lanes' buffers hold it)."""
+    from tensorfold_core.row_kernels.attention_sources import STREAM_SLOTS
+
+    groups = []
+    for g in range(0, len(blocks), STREAM_SLOTS):
+        part = blocks[g:g + STREAM_SLOTS]
+        lo, rows, key = part[0].start, [], 0
+        for slot, b in enumerate(part):
+            row = mx.stack([mx.array(slot, mx.int32), b.length.astype(mx.int32), mx.array(key, mx.int32),
+                            mx.array(b.n, mx.int32)])
+            rows.append(mx.broadcast_to(row[None], (b.n, row.shape[0])))
+            key += b.n
+        spec = tuple((b.start - lo, b.n, b.bound, b.n) for b in part)
+        groups.append((lo, part[-1].start + part[-1].n, spec, mx.concatenate(rows), [b.lane for b in part]))
+    positions = blocks[0].positions if len(blocks) == 1 else mx.concatenate([b.positions for b in blocks])
+    return positions, groups
+
+
 def block_attention(q: mx.array, context_keys: mx.array, context_values: mx.array, n: int, block_keys: mx.array,
                     block_values: mx.array, scale: float) -> mx.array:
     """A block's rows [1, heads, B, dim] over the lane's first n context keys and the block's own keys, with no mask:
@@ -335,6 +355,9 @@ class Model(nn.Module):
         self.markov_head = MarkovHead(args.vocab_size, args.markov_rank)
         # where every block of a hold attends in one launch a layer (serving.py): what makes a group's row map
         object.__setattr__(self, "streams_rowmap", None)
+        # whether that launch reads each lane's n from the row map (cuda, metal), so a queued block's device length
+        # serves there; MLX's composed call reads the host's spec, so queued blocks take the masked ops instead
+        object.__setattr__(self, "rowmap_lengths", False)
         if args.confidence:
             width = args.hidden_size + (args.markov_rank if args.confidence_with_markov else 0)
             self.confidence_head = ConfidenceHead(width)
@@ -360,7 +383,9 @@ class Model(nn.Module):
     def blocks(self, h: mx.array, blocks: Sequence[Block]) -> mx.array:
         """The layers over packed block rows, each block attending its own lane's context; the final norm."""
         streams = None
-        if self.streams_rowmap is not None and len(blocks) > 1 and not isinstance(blocks[0], AheadBlock):  # where the streams record serves (serving.py); one
+        if isinstance(blocks[0], AheadBlock):  # device lengths: the streams kernels where they read them, else masked
+            streams = ahead_streams(blocks) if self.streams_rowmap is not None and self.rowmap_lengths else None
+        elif self.streams_rowmap is not None and len(blocks) > 1:  # where the streams record serves (serving.py); one
             # block keeps its own launch, which reads no row map made on the host
             streams = hold_streams(blocks, self.streams_rowmap)
         for i, layer in enumerate(self.layers):

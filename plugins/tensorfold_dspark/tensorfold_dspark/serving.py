@@ -50,6 +50,8 @@ def serve_kernels(model: Model) -> tuple[Pick, dict[str, str]]:
         for layer in model.layers:
             layer.self_attn.attend_streams = BLOCK_STREAMS[kind]
         object.__setattr__(model, "streams_rowmap", rowmap)
+        # the cuda and metal kernels read each lane's n from the row map: a queued hold's device lengths serve there
+        object.__setattr__(model, "rowmap_lengths", kind != "mlx")
     else:
         unused(labels, ("block attention streams",), STREAMS_ENV)
     return pick, labels

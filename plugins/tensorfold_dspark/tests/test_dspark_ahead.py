@@ -4,14 +4,17 @@ the block starts from the device's bonus draw, so the drafts equal an in-step ho
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from tensorfold_core.kernels import KERNELS_ENV
 from tensorfold_core.lanes.engine import HOLD_AHEAD_ENV, Engine
 from tensorfold_core.loading import load_target, start_drafter
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import HELD_ENV
 from tensorfold_core.testing import Run, drive
 from tensorfold_dspark.drafter import DSparkDrafter
+from tensorfold_dspark.kernels.block_attention_streams import mlx_block_streams
 
 from test_dspark_pricing import NAME, TARGET, plain_replies, requests
 
@@ -134,3 +137,34 @@ def test_streams_joining_and_a_cancelled_neighbour_change_no_reply_while_holds_r
     assert run.done(2).finish_reason == "cancelled" and drafter.stats["ahead_used"] > used
     for sid, ref in [(0, 0), (1, 1), (3, 3), (4, 7)]:
         assert run.tokens(sid) == plain[False][ref], f"stream {sid}"
+
+
+SHORTER_THAN_SPEC = []  # blocks whose row map's n was below their spec's: queued ones, their rejected rows masked
+
+
+def lengths_from_the_rowmap(q, context_keys, context_values, blocks, rowmap, block_keys, block_values, scale):
+    """The streams kernels' contract, on the host: each block over its lane's n as its row map holds it, not as the
+    host's spec says (MLX's composed call reads the spec)."""
+    n = np.array(rowmap)[:, 1]
+    read = tuple((start, count, int(n[start]) if count else lanes_n, size) for start, count, lanes_n, size in blocks)
+    SHORTER_THAN_SPEC.extend(1 for a, b in zip(read, blocks) if a[2] < b[2])
+    return mlx_block_streams(q, context_keys, context_values, read, rowmap, block_keys, block_values, scale)
+
+
+def test_where_the_streams_kernels_read_lengths_from_the_row_map_queued_blocks_take_them_and_draft_as_in_step(
+        pair, plain, ahead, compared, monkeypatch):
+    target, _ = pair
+    monkeypatch.setenv(KERNELS_ENV, "records")
+    served = start_drafter(NAME, target.model, target.tokenizer)
+    try:
+        assert served.model.streams_rowmap is not None and not served.model.rowmap_lengths  # mlx: the spec's n
+        for layer in served.model.layers:  # as cuda's and metal's kernels read it
+            layer.self_attn.attend_streams = lengths_from_the_rowmap
+        object.__setattr__(served.model, "rowmap_lengths", True)
+        assert drive(target.model, served, requests(target, False), 4, timed=False) == plain[False]
+        assert served.stats["ahead_used"] > 10 and len(compared) == served.stats["ahead_used"]
+        assert SHORTER_THAN_SPEC  # queued blocks' device lengths, read from their row maps
+        assert all(queued == in_step for queued, in_step in compared)
+    finally:
+        served.close()
+        target.model.features(pair[1].model.args.target_layer_ids)
