@@ -243,7 +243,8 @@ class Host:
 
     def capabilities(self) -> dict:
         live = {"memory": {**self._capabilities["memory"], **self.admission.snapshot()}, "queued": self.queued(),
-                "warm_up_seconds": None if self.warmed_up is None else round(self.warmed_up.seconds, 3)}
+                "warm_up_seconds": None if self.warmed_up is None else round(self.warmed_up.seconds, 3),
+                "holds_ahead": self.engine.holds_ahead}
         if self.group is not None:
             live["group"] = self.group.report(self.admission.ledger.held())
         return {**self._capabilities, **live}

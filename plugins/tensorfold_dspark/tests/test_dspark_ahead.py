@@ -7,12 +7,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tensorfold_core.host import Host
 from tensorfold_core.kernels import KERNELS_ENV
 from tensorfold_core.lanes.engine import HOLD_AHEAD_ENV, Engine
 from tensorfold_core.loading import load_target, start_drafter
+from tensorfold_core.lanes.warm_up import WARM_UP_ENV
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import HELD_ENV
-from tensorfold_core.testing import Run, drive
+from tensorfold_core.testing import Run, drive, served_by_thread
 from tensorfold_dspark.drafter import DSparkDrafter
 from tensorfold_dspark.kernels.block_attention_streams import mlx_block_streams
 
@@ -167,4 +169,23 @@ def test_where_the_streams_kernels_read_lengths_from_the_row_map_queued_blocks_t
         assert all(queued == in_step for queued, in_step in compared)
     finally:
         served.close()
+        target.model.features(pair[1].model.args.target_layer_ids)
+
+
+@pytest.mark.parametrize("on", ["0", "1"])
+def test_a_server_says_whether_its_holds_run_ahead_and_answers_as_plain_decoding_either_way(pair, plain, monkeypatch,
+                                                                                          on):
+    target, _ = pair
+    monkeypatch.setenv(HOLD_AHEAD_ENV, on)
+    monkeypatch.setenv(WARM_UP_ENV, "0")
+    drafter = start_drafter(NAME, target.model, target.tokenizer)
+    host = Host(target.model, target.tokenizer, ServeOptions(parallel=4, memory_gib=1.0, prompt_cache_gib=0),
+                model_id="m", context=512, drafter=drafter, row_invariant=True)
+    try:
+        assert host.capabilities()["holds_ahead"] is (on == "1")
+        assert [served_by_thread(host, r) for r in requests(target, False)[:3]] == plain[False][:3]
+        if on == "0":  # on, whether holds are queued is the timed guards' call (the untimed runs above show them)
+            assert drafter.stats["ahead"] == 0
+    finally:
+        host.close()
         target.model.features(pair[1].model.args.target_layer_ids)
