@@ -122,7 +122,7 @@ class DSparkDrafter:
         self.holds = HoldCosts()  # timed by `time_holds` after the warm-up, then moved toward each settled hold
         self.last_hold: tuple[int, int, float] | None = None  # (blocks, deepest drafts, wall ms) of the last hold
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
-        self._depths: dict[int, int] = {}  # per stream, the drafts its last ask asked: a queued hold drafts as many
+        self._depths: dict[int, int] = {}  # per stream, the drafts its last ask asked (a queued hold's depth)
         self._ahead: dict[int, QueuedHold] = {}  # per stream, the hold queued on its last verify's device draws
         self.stats = dict(holds=0, held=0, absorbed=0, lane_reuses=0, lane_resumes=0, ahead=0, ahead_used=0)
 
@@ -375,8 +375,11 @@ class DSparkDrafter:
         work = []
         for ask in asks:
             lane = self.lanes.get(ask.stream_id)
-            depth = min(self._depths.get(ask.stream_id, 0), ask.max_depth, self.block_size)
-            if lane is not None and depth > 0 and lane.end == ask.start and not lane.pending:
+            # the grant that sets the next ask is read with the verify: one draft past the last ask covers a full
+            # grant's slack, and the next ask cuts the queued drafts to its own depth
+            last = self._depths.get(ask.stream_id, 0)
+            depth = min(last + self.facts.slack, ask.max_depth, self.block_size)
+            if lane is not None and last > 0 and depth > 0 and lane.end == ask.start and not lane.pending:
                 work.append((ask, lane, depth))
         if not work:
             return []

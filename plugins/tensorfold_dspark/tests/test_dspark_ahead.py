@@ -91,11 +91,16 @@ def test_lanes_fed_by_queued_holds_hold_the_rows_in_step_lanes_hold(pair, monkey
         lanes[on] = {tuple(lane.tokens): (lane.n, lane.spans, [k[..., :lane.n, :] for k in lane.keys + lane.values])
                      for lane in drafter.kept}  # each stream's lane, kept at its release
     assert lanes["0"].keys() == lanes["1"].keys() and len(lanes["0"]) >= 4
+    compared_rows = 0
     for tokens, (n, spans, rows) in lanes["0"].items():
         n_ahead, spans_ahead, rows_ahead = lanes["1"][tokens]
-        # a queued hold absorbs its window's rows at once, an in-step one at the stream's next hold
-        assert n_ahead >= n > 0 and spans == [(0, n)] and spans_ahead == [(0, n_ahead)]
-        assert all(mx.array_equal(a, b[..., :n, :]).item() for a, b in zip(rows, rows_ahead))
+        # a queued hold absorbs its window's rows at once, an in-step one at the stream's next hold, and the runs'
+        # holds drafted to other depths: the lanes end at other lengths, the rows both hold are the same
+        both = min(n, n_ahead)
+        assert both > 0 and spans == [(0, n)] and spans_ahead == [(0, n_ahead)]
+        assert all(mx.array_equal(a[..., :both, :], b[..., :both, :]).item() for a, b in zip(rows, rows_ahead))
+        compared_rows += both
+    assert compared_rows >= 64
 
 
 def test_seeded_streams_hold_in_step_and_their_replies_equal_plain_decoding(pair, plain, ahead):
