@@ -11,6 +11,9 @@
 #   dspark    the inflated lfm2 pair (tools/zoo/inflate_lfm2.py: a 1B-class lfm2 target, its DSpark drafter), as
 #             pair does (PAIR_MODES, default table; PAIR_STREAMS; PAIR_ARGS); made from the tiny-lfm2 and
 #             tiny-lfm2-dspark dirs, so in stage.sh weights (which leaves DSpark dirs home) carry the latter
+#   ahead     the inflated lfm2 pair (as dspark) with slots kept full (tools/device/kept_full.py --hold-ahead) at
+#             AHEAD_SLOTS (default "8 1"): plain, served with holds in step and served with holds queued ahead of the
+#             host's read (TENSORFOLD_HOLD_AHEAD), one engine each, every reply's ids checked first
 #   token     a decode token's host build, eval and keep, sync and pipelined, the first token cold and resumed at
 #             60 and 1600 ids of context, and 1/4/8 streams side by side, per TOKEN_MODES (default
 #             builtin,table,table-attention; bench/bench_token_time.py)
@@ -45,7 +48,7 @@
 #   contract  the contract for the bf16 GEMVs (fused ones too), the window attention and rope qkv;
 #   affine    the contract for the 4/8-bit GEMVs
 # Each step runs under a cap in seconds (CAP_BENCH=80, CAP_PAIR=110, CAP_DSPARK=200, CAP_TOKEN=150, CAP_NORMED=90,
-# CAP_EXACT=80, CAP_WARMUP=300 a side, CAP_SERVED=260 a pair, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200,
+# CAP_EXACT=80, CAP_WARMUP=300 a side, CAP_AHEAD=280, CAP_SERVED=260 a pair, CAP_LOAD=150, CAP_KERNELS=240, CAP_GRAPHS=200,
 # CAP_CONTRACT=70, CAP_AFFINE=60), so a call ends inside its limit and says which step was cut.
 # Everything lands in one receipt folder, packed as $OUT/receipt.tgz, with the short texts beside it. Needs MLX
 # (PYTHONPATH=/tmp/site) and, for pair, token and exact, pydantic and llguidance there (docs/gpu.md). TF_SEED fixes
@@ -96,6 +99,14 @@ for what in "${@:-bench pair exact contract affine}"; do
             step warmup-$side "${CAP_WARMUP:-300}" bash contract/receipts/run_on_h200.sh exec
           mv "$receipt/exec.txt" "$receipt/warmup-$side.txt"
         done ;;
+      ahead)
+        OUT=$receipt TF_EXEC="{ [ -d /tmp/l1 ] || python3 tools/zoo/inflate_lfm2.py --preset lfm2-1b --out /tmp/l1 \
+          --no-check > /dev/null; } && { [ -d /tmp/ld ] || python3 tools/zoo/inflate_lfm2.py --preset \
+          lfm2-dspark-0.1b --out /tmp/ld --target /tmp/l1 --no-check > /dev/null; } && for slots in \
+          ${AHEAD_SLOTS:-8 1}; do python3 tools/device/kept_full.py /tmp/l1 /tmp/ld --slots \$slots --requests \
+          \$((slots * 4)) --tokens 128 --passes 3 --hold-ahead; done" \
+          step ahead "${CAP_AHEAD:-280}" bash contract/receipts/run_on_h200.sh exec
+        mv "$receipt/exec.txt" "$receipt/ahead.txt" ;;
       token)
         OUT=$receipt TF_EXEC="python3 tools/zoo/inflate.py --preset 1b --out /tmp/b1 --no-check > /dev/null \
           && python3 bench/bench_token_time.py /tmp/b1 --modes '${TOKEN_MODES:-builtin,table,table-attention}' \
