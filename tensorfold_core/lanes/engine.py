@@ -377,7 +377,11 @@ class Engine:
                 accepted, pending = device_acceptance(drafts, ids[row:row + n])
                 asks.append(AheadAsk(stream.id, stream.cache.offset, rows, accepted, pending, self.depth_for(stream)))
             row += n
-        return set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks)) if asks else set()
+        if not asks:
+            return set()
+        # evaluated with the verify, not behind the holds: the drafter checks them against the host's at settle
+        mx.async_eval([a for ask in asks for a in (ask.accepted, ask.pending)])
+        return set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks))
 
     def _keep(self, cache, rows: int) -> list:
         """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a

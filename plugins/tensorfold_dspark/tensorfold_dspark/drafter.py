@@ -74,6 +74,7 @@ class QueuedHold:
 
     drafts: HeldDrafts
     start: int  # the verify window's first position
+    device: tuple[mx.array, mx.array]  # the acceptance and bonus draw it was queued on, the host's to equal
     tokens: int = -1  # the stream's token count its drafts follow, once the host read the verify (-1: not yet)
     pending: int = -1  # the token they follow
 
@@ -124,7 +125,8 @@ class DSparkDrafter:
         self._chances: dict[int, list[float]] = {}  # per stream, its last hold: the chance each draft and all before
         self._depths: dict[int, int] = {}  # per stream, the drafts its last ask asked (a queued hold's depth)
         self._ahead: dict[int, QueuedHold] = {}  # per stream, the hold queued on its last verify's device draws
-        self.stats = dict(holds=0, held=0, absorbed=0, lane_reuses=0, lane_resumes=0, ahead=0, ahead_used=0)
+        self.stats = dict(holds=0, held=0, absorbed=0, lane_reuses=0, lane_resumes=0, ahead=0, ahead_used=0,
+                          ahead_missed=0)
 
     # -- what the ledger reads: a lane is sized at admission and never grows while its stream decodes --
 
@@ -406,19 +408,24 @@ class DSparkDrafter:
             return []
         held = self._hand_held(steps, chances, [(ask.stream_id, depth) for (ask, _, _), depth in zip(work, depths)])
         for (ask, _, _), drafts in zip(work, held):
-            self._ahead[ask.stream_id] = QueuedHold(drafts, ask.start)
+            self._ahead[ask.stream_id] = QueuedHold(drafts, ask.start, (ask.accepted, ask.pending))
         self.stats["holds"] += 1
         self.stats["ahead"] += len(work)
         return [ask.stream_id for ask, _, _ in work]
 
     def settle_ahead(self, stream_id: int, accepted: int, pending: int) -> None:
-        """The host read the verify: the lane keeps the window's first 1 + accepted rows, and the queued drafts
-        follow `pending` at the stream's next ask."""
+        """The host read the verify: the lane keeps the window's first 1 + accepted rows (the target's rows of the
+        committed tokens, whatever the device's acceptance), and the queued drafts follow `pending` at the stream's
+        next ask where the device queued them on the host's acceptance and draw."""
         queued, lane = self._ahead.get(stream_id), self.lanes.get(stream_id)
         if queued is None or lane is None:
             return
         lane.advance(queued.start, 1 + accepted)
-        queued.tokens, queued.pending = queued.start + accepted + 2, pending
+        if (queued.device[0].item(), queued.device[1].item()) == (accepted, pending):
+            queued.tokens, queued.pending = queued.start + accepted + 2, pending
+        else:  # a draw the device made otherwise: the block ran from another context
+            del self._ahead[stream_id]
+            self.stats["ahead_missed"] += 1
 
     def _take_ahead(self, ask: DraftAsk, depth: int, drafts: list, i: int) -> bool:
         """Whether the ask's stream has a queued hold for the context it asks with: its first `depth` drafts."""

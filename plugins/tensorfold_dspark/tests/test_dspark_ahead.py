@@ -194,3 +194,17 @@ def test_a_server_says_whether_its_holds_run_ahead_and_answers_as_plain_decoding
     finally:
         host.close()
         target.model.features(pair[1].model.args.target_layer_ids)
+
+
+def test_a_hold_queued_on_a_draw_the_host_does_not_make_is_never_taken_and_the_lane_stays_whole(pair, plain, ahead,
+                                                                                                 monkeypatch):
+    import tensorfold_core.lanes.engine as engine_module
+
+    target, drafter = pair
+    made = engine_module.device_acceptance
+    monkeypatch.setattr(engine_module, "device_acceptance",
+                        lambda drafts, draws: (made(drafts, draws)[0], made(drafts, draws)[1] + 1))
+    before = dict(drafter.stats)
+    assert drive(target.model, drafter, requests(target, False), 4, timed=False) == plain[False]
+    assert drafter.stats["ahead_used"] == before["ahead_used"]
+    assert drafter.stats["ahead_missed"] - before["ahead_missed"] == drafter.stats["ahead"] - before["ahead"] > 0
