@@ -277,8 +277,9 @@ class HoldAheadDrafter(Drafter, Protocol):
         """Queue each ask's next hold on its device values, absorbing the window's rows (lazy, not waited on); the
         streams queued. A later `propose` for one of them gives its queued drafts."""
 
-    def settle_ahead(self, stream_id: int, accepted: int, pending: int) -> None:
-        """The host read the verify: `accepted` of the window's drafts stand and `pending` follows them."""
+    def settle_ahead(self, stream_id: int, accepted: int, pending: int, queued_on: tuple[int, int]) -> None:
+        """The host read the verify: `accepted` of the window's drafts stand and `pending` follows them; the hold
+        was queued on the device's (accepted, pending) `queued_on`, and stands only where they are the host's."""
 
 
 @runtime_checkable

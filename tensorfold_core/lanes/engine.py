@@ -91,6 +91,7 @@ class Engine:
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
         self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
+        self._queued_on: mx.array | None = None  # the last queued holds' device acceptances and bonus draws
 
     def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
         """Time the target's forwards for shared rounds of up to `parallel` streams (a timed engine that may draft:
@@ -315,7 +316,7 @@ class Engine:
                     tokens = self.ahead.launch(group, logits, ids)  # each window's row kept: the next step is queued
                 else:
                     self.ahead.held += 1
-            queued = self._queue_holds(group, ids) if tokens is None else set()
+            queued = self._queue_holds(group, ids) if tokens is None else {}
             rows = np.array(logits if ids is None else ids, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
@@ -323,7 +324,7 @@ class Engine:
                 turn.stream.emit(ErrorEvent(error=exc))
                 self._forget(turn.stream, kept=False)
             return verified
-        row, firsts, kept = 0, [], []
+        row, firsts, kept, queued_on = 0, [], [], None
         for turn in group:
             stream = turn.stream
             if not turn.draws:
@@ -341,7 +342,9 @@ class Engine:
             firsts.append(draws[0])
             accepted = accepted_prefix(turn.drafts, draws)
             if stream.id in queued:  # the hold queued on the device's acceptance learns the host's
-                cast(HoldAheadDrafter, self.drafter).settle_ahead(stream.id, accepted, draws[accepted])
+                queued_on = queued_on or np.array(self._queued_on).tolist()  # every stream's, read once
+                cast(HoldAheadDrafter, self.drafter).settle_ahead(stream.id, accepted, draws[accepted],
+                                                                   tuple(queued_on[queued[stream.id]]))
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
             if tokens is None:  # a round that ran ahead kept its one row already
                 kept += self._keep(stream.cache, len(turn.window) - len(turn.drafts) + accepted)
@@ -359,11 +362,12 @@ class Engine:
             self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
 
-    def _queue_holds(self, group: list[Turn], ids: mx.array | None) -> set[int]:
+    def _queue_holds(self, group: list[Turn], ids: mx.array | None) -> dict:
         """Each drafting stream's next hold, queued on the verify's device draws before the host reads them (a round
-        whose draws are all plain greedy, so the device's argmax is the host's draw); the stream ids queued."""
+        whose draws are all plain greedy, so the device's argmax is the host's draw); per stream queued, what gives
+        its row in `_queued_on`, the device's acceptance and bonus draw it was queued on."""
         if not self.holds_ahead or ids is None:
-            return set()
+            return {}
         mx.async_eval(ids)  # the verify's own eval first: the host's read waits for it, not for the holds behind it
         asks, row = [], 0
         for turn in group:
@@ -378,10 +382,13 @@ class Engine:
                 asks.append(AheadAsk(stream.id, stream.cache.offset, rows, accepted, pending, self.depth_for(stream)))
             row += n
         if not asks:
-            return set()
-        # evaluated with the verify, not behind the holds: the drafter checks them against the host's at settle
-        mx.async_eval([a for ask in asks for a in (ask.accepted, ask.pending)])
-        return set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks))
+            return {}
+        # evaluated with the verify, not behind the holds, and read once for every stream: settle checks them
+        device = mx.stack([mx.stack([ask.accepted, ask.pending.astype(mx.int32)]) for ask in asks])
+        mx.async_eval(device)
+        queued = set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks))
+        self._queued_on = device
+        return {ask.stream_id: j for j, ask in enumerate(asks) if ask.stream_id in queued}
 
     def _keep(self, cache, rows: int) -> list:
         """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a

@@ -74,7 +74,6 @@ class QueuedHold:
 
     drafts: HeldDrafts
     start: int  # the verify window's first position
-    device: tuple[mx.array, mx.array]  # the acceptance and bonus draw it was queued on, the host's to equal
     tokens: int = -1  # the stream's token count its drafts follow, once the host read the verify (-1: not yet)
     pending: int = -1  # the token they follow
 
@@ -408,20 +407,20 @@ class DSparkDrafter:
             return []
         held = self._hand_held(steps, chances, [(ask.stream_id, depth) for (ask, _, _), depth in zip(work, depths)])
         for (ask, _, _), drafts in zip(work, held):
-            self._ahead[ask.stream_id] = QueuedHold(drafts, ask.start, (ask.accepted, ask.pending))
+            self._ahead[ask.stream_id] = QueuedHold(drafts, ask.start)
         self.stats["holds"] += 1
         self.stats["ahead"] += len(work)
         return [ask.stream_id for ask, _, _ in work]
 
-    def settle_ahead(self, stream_id: int, accepted: int, pending: int) -> None:
+    def settle_ahead(self, stream_id: int, accepted: int, pending: int, queued_on: tuple[int, int]) -> None:
         """The host read the verify: the lane keeps the window's first 1 + accepted rows (the target's rows of the
         committed tokens, whatever the device's acceptance), and the queued drafts follow `pending` at the stream's
-        next ask where the device queued them on the host's acceptance and draw."""
+        next ask where the device queued them on the host's acceptance and draw (`queued_on`)."""
         queued, lane = self._ahead.get(stream_id), self.lanes.get(stream_id)
         if queued is None or lane is None:
             return
         lane.advance(queued.start, 1 + accepted)
-        if (queued.device[0].item(), queued.device[1].item()) == (accepted, pending):
+        if tuple(queued_on) == (accepted, pending):
             queued.tokens, queued.pending = queued.start + accepted + 2, pending
         else:  # a draw the device made otherwise: the block ran from another context
             del self._ahead[stream_id]
