@@ -316,7 +316,7 @@ class Engine:
                     tokens = self.ahead.launch(group, logits, ids)  # each window's row kept: the next step is queued
                 else:
                     self.ahead.held += 1
-            queued = self._queue_holds(group, ids) if tokens is None else {}
+            queued = self._queue_holds(group, logits, ids) if tokens is None else {}
             rows = np.array(logits if ids is None else ids, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
@@ -362,30 +362,36 @@ class Engine:
             self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
 
-    def _queue_holds(self, group: list[Turn], ids: mx.array | None) -> dict:
-        """Each drafting stream's next hold, queued on the verify's device draws before the host reads them (a round
-        whose draws are all plain greedy, so the device's argmax is the host's draw); per stream queued, what gives
+    def _queue_holds(self, group: list[Turn], logits: mx.array, ids: mx.array | None) -> dict:
+        """Each plain greedy drafting stream's next hold, queued on the verify's device draws (its argmax, which the
+        host's greedy draw equals) before the host reads them; a seeded stream holds in step. Per stream queued,
         its row in `_queued_on`, the device's acceptance and bonus draw it was queued on."""
-        if not self.holds_ahead or ids is None:
+        if not self.holds_ahead:
             return {}
-        mx.async_eval(ids)  # the verify's own eval first: the host's read waits for it, not for the holds behind it
-        asks, row = [], 0
+        eligible, row = [], 0
         for turn in group:
             if not turn.draws:
                 continue
             stream, n = turn.stream, 1 + len(turn.drafts)
             room = min(stream.request.max_tokens - stream.generated, stream.limit - len(stream.tokens))
-            rows = window_features(self.model, stream.cache) if turn.source == self.drafter.name else None
+            drafting = (turn.source == self.drafter.name and stream.stage.plain and stream.request.sampling.greedy)
+            rows = window_features(self.model, stream.cache) if drafting else None
             if rows is not None and room > n:  # a stream that may end in this round asks no hold
-                drafts = turn.drafts.ids if isinstance(turn.drafts, HeldDrafts) else mx.array(turn.drafts, mx.uint32)
-                accepted, pending = device_acceptance(drafts, ids[row:row + n])
-                asks.append(AheadAsk(stream.id, stream.cache.offset, rows, accepted, pending, self.depth_for(stream)))
+                eligible.append((turn, row, n, rows))
             row += n
-        if not asks:
+        if not eligible:
             return {}
-        # evaluated with the verify, not behind the holds, and read once for every stream: settle checks them
+        greedy = ids if ids is not None else greedy_ids(logits)  # the round reads its rows where a stream samples
+        asks = []
+        for turn, row, n, rows in eligible:
+            drafts = turn.drafts.ids if isinstance(turn.drafts, HeldDrafts) else mx.array(turn.drafts, mx.uint32)
+            accepted, pending = device_acceptance(drafts, greedy[row:row + n])
+            stream = turn.stream
+            asks.append(AheadAsk(stream.id, stream.cache.offset, rows, accepted, pending, self.depth_for(stream)))
+        # the verify and the device's acceptances in an eval of their own, so the host's read waits for them, not for
+        # the holds queued behind; the acceptances are read once for every stream, and settle checks them
         device = mx.stack([mx.stack([ask.accepted, ask.pending.astype(mx.int32)]) for ask in asks])
-        mx.async_eval(device)
+        mx.async_eval(logits if ids is None else ids, device)
         queued = set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks))
         self._queued_on = device
         return {ask.stream_id: j for j, ask in enumerate(asks) if ask.stream_id in queued}

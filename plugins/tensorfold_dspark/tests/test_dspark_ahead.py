@@ -110,6 +110,17 @@ def test_seeded_streams_hold_in_step_and_their_replies_equal_plain_decoding(pair
     assert drafter.stats["ahead"] == queued  # a seeded row's draw is the host's, not the device's argmax
 
 
+def test_greedy_streams_beside_seeded_ones_hold_ahead_and_every_reply_equals_plain_decoding(pair, plain, ahead):
+    target, drafter = pair
+    greedy, seeded = requests(target, False), requests(target, True)
+    mixed = [greedy[i] if i % 2 else seeded[i] for i in range(len(greedy))]
+    want = [plain[False][i] if i % 2 else plain[True][i] for i in range(len(greedy))]
+    before = dict(drafter.stats)
+    assert drive(target.model, drafter, mixed, 4, timed=False) == want
+    assert drafter.stats["ahead_used"] - before["ahead_used"] > 5
+    assert drafter.stats["ahead_missed"] == before["ahead_missed"]  # the host's greedy draws are the device's
+
+
 def test_holds_queued_on_drafts_held_on_the_device_give_replies_equal_to_plain_decoding(pair, plain, ahead,
                                                                                        monkeypatch):
     target, drafter = pair
