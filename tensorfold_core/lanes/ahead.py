@@ -1,4 +1,5 @@
-"""Lookahead: a plain greedy round queues its next step on the device's argmax while the host reads its logits."""
+"""Running ahead of the host's read: a plain greedy round queues its next step on the device's argmax while the host
+reads its logits (Lookahead), and a verify's acceptance made on the device for the holds queued behind it."""
 
 from __future__ import annotations
 
