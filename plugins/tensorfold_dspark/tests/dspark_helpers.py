@@ -87,3 +87,29 @@ def bigrams_of(sequences) -> dict[int, int]:
         for previous, following in zip(seq, seq[1:]):
             out.setdefault(previous, following)
     return out
+
+
+# ---- the shipped pair (tiny-lfm2-moe drafted by tiny-lfm2-moe-dspark): its prompts and its plain replies ----
+
+NAME, TARGET = "tiny-lfm2-moe-dspark", "tiny-lfm2-moe"
+PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,", "while True:\n",
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "print('hello')\n"]
+
+
+def requests(target, seeded: bool, tokens: int = 40):
+    """The prompts as requests, greedy or seeded (temperature 0.8, a seed each)."""
+    from tensorfold_core.lanes.types import GenerationRequest
+    from tensorfold_core.sampling import SamplingParams
+
+    return [GenerationRequest(prompt_ids=target.tokenizer.encode(p), max_tokens=tokens,
+                              sampling=SamplingParams(temperature=0.8, seed=11 + i) if seeded else SamplingParams())
+            for i, p in enumerate(PROMPTS)]
+
+
+def plain_replies(target) -> dict:
+    """Each prompt decoded alone and plain, greedy (False) and seeded (True): what every drafted run must equal."""
+    from tensorfold_core.testing import drive, serial
+
+    return {seeded: drive(target.model, None, [serial(r) for r in requests(target, seeded)], 8, timed=False)
+            for seeded in (False, True)}

@@ -10,7 +10,7 @@ import pytest
 from tensorfold_core.host import Host
 from tensorfold_core.kernels import KERNELS_ENV
 from tensorfold_core.lanes.engine import HOLD_AHEAD_ENV, Engine
-from tensorfold_core.loading import load_target, start_drafter
+from tensorfold_core.loading import start_drafter
 from tensorfold_core.lanes.warm_up import WARM_UP_ENV
 from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import HELD_ENV
@@ -18,20 +18,7 @@ from tensorfold_core.testing import Run, drive, served_by_thread
 from tensorfold_dspark.drafter import DSparkDrafter
 from tensorfold_dspark.kernels.block_attention_streams import mlx_block_streams
 
-from test_dspark_pricing import NAME, TARGET, plain_replies, requests
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target = load_target(TARGET, ServeOptions(dtype="float32"))
-    drafter = start_drafter(NAME, target.model, target.tokenizer)
-    yield target, drafter
-    drafter.close()
-
-
-@pytest.fixture(scope="module")
-def plain(pair):
-    return plain_replies(pair[0])
+from dspark_helpers import NAME, requests
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from tensorfold_core.protocols import HELD_ENV, DraftAsk, HeldDrafts, held_on_ta
 from tensorfold_core.testing import drive, serial
 from tensorfold_core.errors import DrafterError
 
-from test_dspark_pricing import NAME, TARGET, plain_replies, requests
+from dspark_helpers import NAME, TARGET, plain_replies, requests
 
 
 @pytest.fixture(scope="module")

@@ -10,43 +10,11 @@ import pytest
 
 from tensorfold_core.hold_costs import HOLD_BLOCKS, HoldCosts
 from tensorfold_core.lanes.types import GenerationRequest
-from tensorfold_core.loading import load_target, start_drafter
-from tensorfold_core.options import ServeOptions
 from tensorfold_core.protocols import DraftAsk
-from tensorfold_core.sampling import SamplingParams
 from tensorfold_core.testing import drive, serial
 from tensorfold_dspark.drafter import HOLD_CATCH_UP, HOLD_ROWS
 
-NAME, TARGET = "tiny-lfm2-moe-dspark", "tiny-lfm2-moe"
-PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
-           "for i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,", "while True:\n",
-           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "print('hello')\n"]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    # float32: mlx's CPU backend has no bf16 gather_mm for the target's experts
-    target = load_target(TARGET, ServeOptions(dtype="float32"))
-    drafter = start_drafter(NAME, target.model, target.tokenizer)
-    yield target, drafter
-    drafter.close()
-
-
-def requests(target, seeded: bool, tokens: int = 40) -> list[GenerationRequest]:
-    return [GenerationRequest(prompt_ids=target.tokenizer.encode(p), max_tokens=tokens,
-                              sampling=SamplingParams(temperature=0.8, seed=11 + i) if seeded else SamplingParams())
-            for i, p in enumerate(PROMPTS)]
-
-
-def plain_replies(target) -> dict:
-    """Each prompt decoded alone and plain, greedy (False) and seeded (True): what every drafted run must equal."""
-    return {seeded: drive(target.model, None, [serial(r) for r in requests(target, seeded)], 8, timed=False)
-            for seeded in (False, True)}
-
-
-@pytest.fixture(scope="module")
-def plain(pair):
-    return plain_replies(pair[0])
+from dspark_helpers import requests
 
 
 def test_the_drafter_times_hold_passes_of_1_to_16_blocks_after_warm_up_and_its_facts_price_them(pair):

@@ -13,7 +13,7 @@ from tensorfold_core.protocols import DraftAsk
 from tensorfold_dspark.kernels import records
 from tensorfold_dspark.ops import OPS
 
-from test_dspark_pricing import NAME, TARGET
+from dspark_helpers import NAME, TARGET
 
 PROMPTS = ["def fib(n):\n    return", "for i in range(10):\n", "class Stack:\n    def push(self, x):", "import os\n"]
 
