@@ -91,7 +91,6 @@ class Engine:
         self.ahead_after_undrafted: int | None = AHEAD_AFTER_UNDRAFTED  # None: only streams that cannot draft
         self.ahead_after_undrafted_shared: int | None = AHEAD_AFTER_UNDRAFTED_SHARED  # the same, in shared rounds
         self._undrafted: dict[int, int] = {}  # stream id: its rounds in a row that held no drafts
-        self._queued_on: mx.array | None = None  # the last queued holds' device acceptances and bonus draws
 
     def time_rows(self, parallel: int) -> dict[int, dict[int, float]]:
         """Time the target's forwards for shared rounds of up to `parallel` streams (a timed engine that may draft:
@@ -316,7 +315,7 @@ class Engine:
                     tokens = self.ahead.launch(group, logits, ids)  # each window's row kept: the next step is queued
                 else:
                     self.ahead.held += 1
-            queued = self._queue_holds(group, logits, ids) if tokens is None else {}
+            queued, queued_on = self._queue_holds(group, logits, ids) if tokens is None else ({}, None)
             rows = np.array(logits if ids is None else ids, copy=False)
         except Exception as exc:  # a failed forward ends its own streams and no others
             self.ahead.drop()
@@ -324,7 +323,7 @@ class Engine:
                 turn.stream.emit(ErrorEvent(error=exc))
                 self._forget(turn.stream, kept=False)
             return verified
-        row, firsts, kept, queued_on = 0, [], [], None
+        row, firsts, kept = 0, [], []
         for turn in group:
             stream = turn.stream
             if not turn.draws:
@@ -342,7 +341,8 @@ class Engine:
             firsts.append(draws[0])
             accepted = accepted_prefix(turn.drafts, draws)
             if stream.id in queued:  # the hold queued on the device's acceptance learns the host's
-                queued_on = queued_on or np.array(self._queued_on).tolist()  # every stream's, read once
+                if not isinstance(queued_on, list):  # every stream's, read once
+                    queued_on = np.array(queued_on).tolist()
                 cast(HoldAheadDrafter, self.drafter).settle_ahead(stream.id, accepted, draws[accepted],
                                                                    tuple(queued_on[queued[stream.id]]))
             # the pending token and the accepted drafts stay in the cache; the bonus draw is the new pending token
@@ -362,12 +362,12 @@ class Engine:
             self.ahead.confirm(firsts, tokens, drawn_from_tokens=tokens is ids)
         return verified
 
-    def _queue_holds(self, group: list[Turn], logits: mx.array, ids: mx.array | None) -> dict:
+    def _queue_holds(self, group: list[Turn], logits: mx.array, ids: mx.array | None) -> tuple[dict, mx.array | None]:
         """Each plain greedy drafting stream's next hold, queued on the verify's device draws (its argmax, which the
-        host's greedy draw equals) before the host reads them; a seeded stream holds in step. Per stream queued,
-        its row in `_queued_on`, the device's acceptance and bonus draw it was queued on."""
+        host's greedy draw equals) before the host reads them; a seeded stream holds in step. Per stream queued, its
+        row in the second array returned: the device's acceptance and bonus draw it was queued on."""
         if not self.holds_ahead:
-            return {}
+            return {}, None
         eligible, row = [], 0
         for turn in group:
             if not turn.draws:
@@ -380,7 +380,7 @@ class Engine:
                 eligible.append((turn, row, n, rows))
             row += n
         if not eligible:
-            return {}
+            return {}, None
         greedy = ids if ids is not None else greedy_ids(logits)  # the round reads its rows where a stream samples
         asks = []
         for turn, row, n, rows in eligible:
@@ -393,8 +393,7 @@ class Engine:
         device = mx.stack([mx.stack([ask.accepted, ask.pending.astype(mx.int32)]) for ask in asks])
         mx.async_eval(logits if ids is None else ids, device)
         queued = set(cast(HoldAheadDrafter, self.drafter).hold_ahead(asks))
-        self._queued_on = device
-        return {ask.stream_id: j for j, ask in enumerate(asks) if ask.stream_id in queued}
+        return {ask.stream_id: j for j, ask in enumerate(asks) if ask.stream_id in queued}, device
 
     def _keep(self, cache, rows: int) -> list:
         """Commit `rows` of the cache's window: the arrays that hold it where the model's commits can wait (a

@@ -389,15 +389,15 @@ class DSparkDrafter:
         depths = [min(depth, cap) for _, _, depth in work]
         lanes = [lane for _, lane, _ in work]
         try:
-            bounds = [lane.n + ask.rows.shape[0] for ask, lane, _ in work]
+            # written from row n on, which stays the host's length until `settle_ahead`
             self._write(self._context_of([(lane, TappedRows(ask.start, ask.rows)) for ask, lane, _ in work]))
             ids, blocks, row = [], [], 0
-            for (ask, lane, _), depth, bound in zip(work, depths, bounds):
+            for (ask, lane, _), depth in zip(work, depths):
                 ids += [ask.pending.reshape(1)] + ([mx.full((depth - 1,), self.mask_id, mx.uint32)] if depth > 1
                                                     else [])
                 positions = ask.start + 1 + ask.accepted + mx.arange(depth, dtype=mx.int32)
-                length = bound - ask.rows.shape[0] + 1 + ask.accepted
-                blocks.append(AheadBlock(row, depth, positions, lane, length, bound))
+                blocks.append(AheadBlock(row, depth, positions, lane, lane.n + 1 + ask.accepted,
+                                         lane.n + ask.rows.shape[0]))
                 row += depth
             previous = mx.concatenate([ask.pending.reshape(1) for ask, _, _ in work])
             steps, flags, chances = self._draft_blocks(mx.concatenate(ids), blocks, previous, depths)

@@ -10,7 +10,7 @@ import pytest
 # the target's builders live with the lfm2 family's tests; this distribution depends on that family anyway
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tensorfold_lfm2" / "tests"))
 
-from dspark_helpers import NAME, TARGET, plain_replies, tiny_dspark_checkpoint  # noqa: E402
+from dspark_helpers import plain_replies, shipped_pair, tiny_dspark_checkpoint  # noqa: E402
 from lfm2_helpers import tiny_lfm2_checkpoint  # noqa: E402
 
 
@@ -27,14 +27,8 @@ def dspark_dir(tmp_path_factory, target_dir):
 
 @pytest.fixture(scope="module")
 def pair():
-    """The shipped pair, the target in float32 (mlx's CPU backend has no bf16 gather_mm for its experts)."""
-    from tensorfold_core.loading import load_target, start_drafter
-    from tensorfold_core.options import ServeOptions
-
-    target = load_target(TARGET, ServeOptions(dtype="float32"))
-    drafter = start_drafter(NAME, target.model, target.tokenizer)
-    yield target, drafter
-    drafter.close()
+    with shipped_pair() as loaded:
+        yield loaded
 
 
 @pytest.fixture(scope="module")

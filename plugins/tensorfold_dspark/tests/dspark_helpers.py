@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,26 @@ NAME, TARGET = "tiny-lfm2-moe-dspark", "tiny-lfm2-moe"
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,", "while True:\n",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "print('hello')\n"]
+
+
+@contextmanager
+def shipped_pair(**env: str):
+    """The shipped pair loaded under `env` (read at start), the target in float32 (mlx's CPU backend has no bf16
+    gather_mm for its experts); the drafter closed after."""
+    import pytest
+
+    from tensorfold_core.loading import load_target, start_drafter
+    from tensorfold_core.options import ServeOptions
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        target = load_target(TARGET, ServeOptions(dtype="float32"))
+        drafter = start_drafter(NAME, target.model, target.tokenizer)
+    try:
+        yield target, drafter
+    finally:
+        drafter.close()
 
 
 def requests(target, seeded: bool, tokens: int = 40):

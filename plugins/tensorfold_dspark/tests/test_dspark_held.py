@@ -11,23 +11,18 @@ import pytest
 
 from tensorfold_core.lanes.constraints import Grammar
 from tensorfold_core.lanes.types import GenerationRequest
-from tensorfold_core.loading import load_target, start_drafter
-from tensorfold_core.options import ServeOptions
+from tensorfold_core.loading import start_drafter
 from tensorfold_core.protocols import HELD_ENV, DraftAsk, HeldDrafts, held_on_target_wanted
 from tensorfold_core.testing import drive, serial
 from tensorfold_core.errors import DrafterError
 
-from dspark_helpers import NAME, TARGET, plain_replies, requests
+from dspark_helpers import NAME, plain_replies, requests, shipped_pair
 
 
 @pytest.fixture(scope="module")
 def held_pair():
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(HELD_ENV, "1")
-        target = load_target(TARGET, ServeOptions(dtype="float32"))
-        drafter = start_drafter(NAME, target.model, target.tokenizer)
-    yield target, drafter
-    drafter.close()
+    with shipped_pair(**{HELD_ENV: "1"}) as loaded:
+        yield loaded
 
 
 @pytest.fixture(scope="module")
